@@ -1,0 +1,23 @@
+"""scheduler: pure-Python request scheduling (queue, admission, token budget, preemption).
+
+Never imports mlx or metrale; depends only on kvcache's pure-Python accounting.
+"""
+
+from scheduler.config import SchedulerConfig
+from scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+
+__all__ = [
+    "DuplicateRequestError",
+    "QueueFullError",
+    "Request",
+    "RequestEvent",
+    "RequestRejectedError",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]

@@ -1,0 +1,57 @@
+"""SchedulerConfig: the frozen, validated knobs of the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+POLICIES = ("fcfs", "priority")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduling limits. Invalid values raise ValueError naming the field.
+
+    Attributes:
+        max_num_seqs: most requests running (holding KV blocks) at once.
+        max_num_batched_tokens: per-step token budget, summed over all scheduled requests.
+        max_model_len: most tokens (prompt + max_tokens) a request may ever hold.
+        max_waiting: bound on the waiting queue; `add` raises QueueFullError beyond it.
+        policy: "fcfs" (arrival order) or "priority" (lower `priority` first, then arrival).
+        block_size: tokens per KV block; must match the KVCacheManager's.
+        enable_prefix_caching: must match the KVCacheManager's.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    max_waiting: int = 1024
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("max_waiting", self.max_waiting, 1)
+        _check_int("block_size", self.block_size, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request must be able to decode one token in the same step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )

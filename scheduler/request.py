@@ -1,0 +1,134 @@
+"""Request: the one record that owns a request's scheduling state (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+import operator
+import time
+from collections.abc import Iterable, Sequence
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = 3  # eos or a stop token id (or a stop string, set by the engine)
+    FINISHED_LENGTH = 4  # max_tokens reached
+    FINISHED_ABORTED = 5  # cancelled by the client or the engine
+    FINISHED_ERROR = 6  # a step failed for this request
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the four finished statuses."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" | "length" | "abort" | "error" for finished statuses, else None."""
+        return _FINISH_REASONS.get(self)
+
+    @classmethod
+    def from_finish_reason(cls, reason: str) -> RequestStatus:
+        """The finished status for "stop" | "length" | "abort" | "error"."""
+        for status, name in _FINISH_REASONS.items():
+            if name == reason:
+                return status
+        raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(_REASONS)}")
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+_REASONS = frozenset(_FINISH_REASONS.values())
+
+
+class Request:
+    """A request's token ids, its scheduling parameters and its progress.
+
+    Token layout (prompt P tokens, O output tokens so far):
+
+        all_token_ids  | prompt (P) | output (O) |
+                       | computed (num_computed_tokens) | not yet computed |
+
+    The last known token is computed by the step that samples the next one, so while a request
+    runs, num_computed_tokens < num_tokens before each step. `priority`: lower values are served
+    first under the "priority" policy (vLLM's convention); ignored under "fcfs".
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "max_tokens", "eos_token_ids", "stop_token_ids",
+        "ignore_eos", "min_tokens", "priority", "arrival_time", "cache_salt",
+        "num_computed_tokens", "status", "num_preemptions", "_all_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        max_tokens: int = 16,
+        eos_token_ids: Iterable[int] = (),
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        output_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(map(operator.index, prompt_token_ids))
+        self.max_tokens = max_tokens
+        self.eos_token_ids: tuple[int, ...] = tuple(map(operator.index, eos_token_ids))
+        self.stop_token_ids: tuple[int, ...] = tuple(map(operator.index, stop_token_ids))
+        self.ignore_eos = ignore_eos
+        self.min_tokens = min_tokens
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        # prompt + output in one list: all_token_ids is on the per-step path and must be O(1).
+        self._all_token_ids = [*self.prompt_token_ids, *map(operator.index, output_token_ids)]
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt then output token ids: a read-only view (append through append_output_token)."""
+        return self._all_token_ids
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """The generated token ids so far (a copy)."""
+        return tuple(self._all_token_ids[len(self.prompt_token_ids) :])
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        """Append one sampled token (the scheduler's update does this)."""
+        self._all_token_ids.append(operator.index(token_id))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

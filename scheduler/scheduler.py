@@ -1,0 +1,311 @@
+"""Scheduler: admission, the per-step token budget, preemption and the one finish path.
+
+A step is `schedule()` -> runner -> `update()`. There are no prefill and decode phases: each
+scheduled request gets `num_new` tokens so that num_computed_tokens catches up with num_tokens:
+
+    request tokens  | computed           | new (this step)   | (rest: later steps) |
+                    0      num_computed_tokens    + num_new                num_tokens
+
+A prompt chunk, a prefix-cache hit and a decode token are the same path. The chunk samples when
+it reaches num_tokens; `schedule()` advances num_computed_tokens, `update()` appends the sampled
+token and finishes the request on eos / stop token ids / max_tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvcache.manager import KVCacheManager
+from scheduler.config import SchedulerConfig
+from scheduler.admission import check_admissible
+from scheduler.errors import DuplicateRequestError, QueueFullError
+from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
+from scheduler.queue import make_waiting_queue
+from scheduler.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the KV manager owns the block tables.
+
+    Running requests are served first, most urgent first (by arrival under "fcfs", by
+    (priority, arrival) under "priority", where a lower value is more urgent; "fcfs" ignores
+    `priority`). Then waiting ones are admitted while the token budget, max_num_seqs and free
+    blocks allow; the head of the queue blocks the rest, so a large request is never overtaken
+    forever. When a running request cannot get blocks, the least urgent running request (the
+    lowest priority, then the latest arrival) is preempted: its blocks are freed, it keeps its
+    output tokens and goes back to the front of the waiting queue to be recomputed (the prefix
+    cache usually gives its blocks back). That victim is the last of the running list, so it never
+    already holds a slot in the step: no blocks are cached for tokens that will not be computed.
+    No request is admitted in a step that preempted.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        if kv_cache_manager.block_size != config.block_size:
+            raise ValueError(
+                f"block_size: config has {config.block_size}, "
+                f"kv_cache_manager has {kv_cache_manager.block_size}"
+            )
+        if kv_cache_manager.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError(
+                f"enable_prefix_caching: config has {config.enable_prefix_caching}, "
+                f"kv_cache_manager has {kv_cache_manager.enable_prefix_caching}"
+            )
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        # Running requests sorted by this key, most urgent first: the preemption victim is always
+        # the last one, which the running pass reaches last (so it has no slot yet in the step).
+        if config.policy == "priority":
+            self._urgency: Callable[[Request], Any] = lambda r: (r.priority, r.arrival_time)
+        else:
+            self._urgency = lambda r: r.arrival_time
+        self._running: list[Request] = []
+        self._waiting = make_waiting_queue(config.policy)
+        self.num_preemptions = 0  # total over the scheduler's life
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests, preempted ones included."""
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (status WAITING).
+
+        Raises:
+            DuplicateRequestError: a request with this id is in flight.
+            RequestRejectedError: the request can never be served (empty prompt, bad params,
+                prompt + max_tokens > max_model_len, more KV blocks than the whole pool).
+            QueueFullError: the waiting queue holds max_waiting requests; retry later.
+        A rejected request changes nothing.
+        """
+        if isinstance(request.request_id, str) and request.request_id in self._requests:
+            raise DuplicateRequestError(f"request {request.request_id!r} is already in flight")
+        check_admissible(request, self.config, self.kv_cache_manager)
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(
+                f"waiting queue is full ({len(self._waiting)} of {self.config.max_waiting} "
+                f"requests); request {request.request_id!r} rejected"
+            )
+        self._requests[request.request_id] = request
+        self._waiting.push(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step and advance num_computed_tokens of every scheduled request."""
+        num_new: dict[str, int] = {}  # request id -> tokens this step; running first, then admitted
+        preempted: list[Request] = []
+        budget = self._schedule_running(num_new, preempted, self.config.max_num_batched_tokens)
+        if not preempted:  # blocks are short: admitting now would only preempt again
+            self._schedule_waiting(num_new, budget)
+        return self._build_output(num_new, preempted)
+
+    def _schedule_running(
+        self, num_new: dict[str, int], preempted: list[Request], budget: int
+    ) -> int:
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing left to compute (update() not called for its last step)
+                i += 1
+                continue
+            scheduled = True
+            while self.kv_cache_manager.allocate_slots(req, n) is None:
+                victim = self._preempt_last()  # index >= i: req itself or not scheduled yet
+                preempted.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if scheduled:
+                num_new[req.request_id] = n
+                budget -= n
+                i += 1
+        return budget
+
+    def _preempt_last(self) -> Request:
+        """Preempt the lowest-priority, latest-arrived running request (the list's last)."""
+        req = self._running.pop()
+        self.kv_cache_manager.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0  # recompute prompt + output so far
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.push_preempted(req)
+        return req
+
+    def _schedule_waiting(self, num_new: dict[str, int], budget: int) -> None:
+        kv = self.kv_cache_manager
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting.peek()
+            blocks, num_hit = kv.get_computed_blocks(req)  # never the whole sequence
+            n = min(req.num_tokens - num_hit, budget)
+            got = kv.allocate_slots(req, n, computed_blocks=blocks, num_computed_tokens=num_hit)
+            if got is None:
+                break  # the head waits for blocks; nobody overtakes it
+            self._waiting.pop()
+            req.status = _RUNNING
+            req.num_computed_tokens = num_hit
+            bisect.insort(self._running, req, key=self._urgency)  # after equal keys
+            num_new[req.request_id] = n
+            budget -= n
+
+    def _build_output(self, num_new: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+        scheduled = []
+        for rid, n in num_new.items():
+            req = self._requests[rid]
+            start = req.num_computed_tokens
+            end = start + n
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=rid,
+                    token_ids=tuple(req.all_token_ids[start:end]),
+                    start_position=start,
+                    block_table=self.kv_cache_manager.block_ids(rid),
+                    samples=end == req.num_tokens,
+                )
+            )
+            req.num_computed_tokens = end
+        return SchedulerOutput(
+            scheduled=tuple(scheduled),
+            num_batched_tokens=sum(num_new.values()),
+            preempted_request_ids=tuple(r.request_id for r in preempted),
+            block_size=self.config.block_size,
+        )
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[RequestEvent]:
+        """Apply one step's sampled tokens; finish requests on eos, stop token ids or max_tokens.
+
+        Args:
+            output: what `schedule()` returned for this step.
+            sampled: one token per request whose ScheduledRequest has samples=True; entries
+                for requests finished since `schedule()` (e.g. aborted) are ignored.
+
+        Returns:
+            One event per request that got a token, in schedule order; a finish event's request
+            has already been freed. Finishes made through `finish()` are not repeated here.
+        """
+        pending = self._collect_samples(output, sampled)  # validates everything before mutating
+        events = []
+        any_finished = False
+        for req, token in pending:
+            req.append_output_token(token)
+            status = self._stop_status(req, token)
+            if status is None:
+                events.append(RequestEvent(req.request_id, (token,)))
+                continue
+            self._release(req, status)
+            any_finished = True
+            stop_id = token if status is RequestStatus.FINISHED_STOPPED else None
+            events.append(RequestEvent(req.request_id, (token,), status.finish_reason, stop_id))
+        if any_finished:  # one pass, not one list.remove per finished request
+            self._running = [r for r in self._running if r.status is _RUNNING]
+        return events
+
+    def _collect_samples(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[tuple[Request, int]]:
+        pending = []
+        missing = []
+        for s in output.scheduled:
+            if not s.samples:
+                continue
+            req = self._requests.get(s.request_id)
+            if req is None or req.status is not _RUNNING:
+                continue  # finished (or finished and re-added) since schedule()
+            end = s.start_position + len(s.token_ids)
+            if req.num_computed_tokens != end or req.num_tokens != end:
+                raise RuntimeError(
+                    f"request {s.request_id!r}: stale output, chunk ends at {end} but "
+                    f"{req.num_computed_tokens} computed of {req.num_tokens} tokens"
+                )
+            if s.request_id in sampled:
+                pending.append((req, operator.index(sampled[s.request_id])))
+            else:
+                missing.append(s.request_id)
+        if missing:
+            raise ValueError(f"no sampled token for {len(missing)} requests: {missing[:8]}")
+        return pending
+
+    @staticmethod
+    def _stop_status(req: Request, token: int) -> RequestStatus | None:
+        # A stop wins over length when both hold; min_tokens holds back eos and stop ids only.
+        if req.num_output_tokens >= req.min_tokens and (
+            token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus) -> RequestEvent | None:
+        """End a request with a finished status and free its blocks: the one free path.
+
+        Idempotent: unknown or already finished ids return None and change nothing. A request
+        finished between `schedule()` and `update()` is skipped by that update.
+
+        Returns:
+            The request's finish event (no new tokens), or None.
+        """
+        if not isinstance(status, RequestStatus) or not status.is_finished:
+            raise ValueError(f"finish() needs a finished RequestStatus, got {status!r}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is _RUNNING:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._release(req, status)
+        return RequestEvent(request_id, (), status.finish_reason)
+
+    def _release(self, req: Request, status: RequestStatus) -> None:
+        # The caller removes `req` from the running list or the waiting queue.
+        req.status = status
+        del self._requests[req.request_id]
+        # KV of a failed step may be unwritten: don't let the prefix cache hand it out.
+        discard = status is RequestStatus.FINISHED_ERROR
+        self.kv_cache_manager.free(req.request_id, discard_cached=discard)
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError with the numbers if scheduler or KV accounting is inconsistent."""
+        running, waiting = self._running, list(self._waiting)
+        if len(running) > self.config.max_num_seqs:
+            raise RuntimeError(f"{len(running)} running > max_num_seqs {self.config.max_num_seqs}")
+        if len(running) + len(waiting) != len(self._requests):
+            raise RuntimeError(
+                f"running {len(running)} + waiting {len(waiting)} != {len(self._requests)} requests"
+            )
+        bs = self.config.block_size
+        for req in running + waiting:
+            if self._requests.get(req.request_id) is not req:
+                raise RuntimeError(f"request {req.request_id!r} is queued twice or not registered")
+            table = self.kv_cache_manager.block_table(req.request_id)
+            if req.status is _RUNNING and len(table) * bs < req.num_computed_tokens:
+                raise RuntimeError(
+                    f"request {req.request_id!r}: {len(table)} blocks for "
+                    f"{req.num_computed_tokens} computed tokens"
+                )
+        for req in running:
+            if req.status is not _RUNNING:
+                raise RuntimeError(f"request {req.request_id!r} is running with {req.status.name}")
+        for req in waiting:
+            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or (
+                req.num_computed_tokens or self.kv_cache_manager.block_table(req.request_id)
+            ):
+                raise RuntimeError(f"waiting request {req!r} holds state it should not")
+        self.kv_cache_manager.check_integrity(self._requests.keys())

