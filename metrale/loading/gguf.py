@@ -1,0 +1,268 @@
+"""Load a llama-architecture GGUF file: config from its metadata, weights under the model's names.
+
+`mx.load(path, return_metadata=True)` reads the tensors and the metadata. Q4_0 / Q4_1 / Q8_0
+tensors come back as MLX affine-quantized triples (`name.weight` packed uint32, `name.scales`,
+`name.biases`, float16, group size 32); MLX casts every other quantization (K-quants, ...) to
+float16 arrays. SmolLM2's file is Q4_1 with a Q8_0 token embedding.
+
+RoPE layout. llama.cpp's converter permutes the rows of attn_q / attn_k inside each head so that
+interleaved (GPT-J, `traditional=True`) RoPE applies: row 2j + h of a GGUF head holds row
+h * head_dim / 2 + j of the Hugging Face head (h in {0, 1}). `unpermute_rope_rows` undoes it
+(rows of the packed weight, scales and biases move together: quantization groups run along the
+input axis), so the model always sees the Hugging Face layout with `rope_traditional=False`.
+
+Quantized weights. On CPU they are dequantized to float32 at load time: for this model's layers
+at T=32 tokens, OpenBLAS sgemm ran 25-170x faster than MLX's CPU `quantized_matmul` with float32
+scales (67x over one whole layer), and the float16 scales GGUF stores make quantized_matmul
+another 35-85x slower (mlx 0.32, this project's 2-core Linux CPU). On a GPU they stay quantized
+(`nn.QuantizedLinear` / `nn.QuantizedEmbedding`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvcache.blas import preload_openblas
+
+preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+
+from metrale.loading.default_model import ModelNotFoundError, default_model_path  # noqa: E402
+from metrale.models import ModelConfig, RopeScaling, get_model_class  # noqa: E402
+from metrale.tokenizer import Tokenizer  # noqa: E402
+
+__all__ = [
+    "GGUF_ARCHITECTURES", "LoadedModel", "build_model", "config_from_gguf_metadata", "dequantize_affine",
+    "gguf_to_hf_weights", "load_gguf", "permute_rope_rows", "unpermute_rope_rows",
+]
+
+# general.architecture values this loader maps (llama.cpp writes Mistral 7B and TinyLlama as "llama")
+GGUF_ARCHITECTURES = ("llama",)
+GGUF_GROUP_SIZE = 32  # the block size of Q4_0 / Q4_1 / Q8_0
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the runner, with what it was built from.
+
+    `quantization` is {"group_size": g, "bits": b} per quantized module path when weights stay
+    quantized, and empty when they were dequantized (or stored as floats)."""
+
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    dtype: mx.Dtype
+    quantization: Mapping[str, Mapping[str, int]]
+    load_seconds: float
+
+
+def _scalar(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = metadata.get(key, default)
+    if isinstance(value, mx.array) and value.dtype == mx.float32:
+        # the shortest decimal that is this float32 (1e-05, not 9.999999747378752e-06)
+        return float(str(np.float32(value.item())))
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def config_from_gguf_metadata(metadata: Mapping[str, Any], tensor_names: set[str] | frozenset[str]) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.*` keys) and the file's tensor names (ties, biases).
+
+    ValueError for an unsupported architecture (listing the supported ones) or missing keys.
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+
+    def need(key: str) -> Any:
+        value = _scalar(metadata, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(_scalar(metadata, f"{arch}.attention.key_length", hidden // heads))
+    rope_dims = int(_scalar(metadata, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ValueError(f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+    scaling = None
+    scaling_type = _scalar(metadata, f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        scaling = RopeScaling("linear", factor=float(need("rope.scaling.factor")))
+    elif scaling_type not in ("none", None):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: none, linear")
+    vocab = _scalar(metadata, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(metadata.get("tokenizer.ggml.tokens", ()))
+    window = _scalar(metadata, f"{arch}.attention.sliding_window")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_scalar(metadata, f"{arch}.attention.head_count_kv", heads)),
+        intermediate_size=int(need("feed_forward_length")),
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_scalar(metadata, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(_scalar(metadata, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=None if window in (None, 0) else int(window),
+    )
+
+
+def permute_rope_rows(w: mx.array, n_heads: int) -> mx.array:
+    """Hugging Face -> GGUF row order of a Q or K projection (what llama.cpp's converter does).
+
+    w: (n_heads * head_dim, ...) -> same shape, rows reordered within each head."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rope_rows(w: mx.array, n_heads: int) -> mx.array:
+    """GGUF -> Hugging Face row order; the inverse of `permute_rope_rows`. w: (n_heads * head_dim, ...)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_to_hf_weights(weights: Mapping[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
+    """GGUF tensor names -> the model's parameter names, with Q/K rows back in Hugging Face order.
+
+    Quantized triples keep their three parts (`.weight`, `.scales`, `.biases`). `rope_freqs.weight`
+    is metadata, not a parameter, and is dropped (see `load_gguf`). ValueError on unknown names."""
+    out: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        if name == "rope_freqs.weight":
+            continue
+        match = _TENSOR_NAME.match(name)
+        layer, base, part = match.groups() if match else (None, None, None)
+        table = _GLOBAL_NAMES if layer is None else _LAYER_NAMES
+        if base not in table:
+            raise ValueError(f"unexpected GGUF tensor {name!r} for a {config.architecture} model")
+        target = table[base] if layer is None else f"model.layers.{layer}.{table[base]}"
+        if base == "attn_q":
+            array = unpermute_rope_rows(array, config.num_attention_heads)
+        elif base == "attn_k":
+            array = unpermute_rope_rows(array, config.num_key_value_heads)
+        out[f"{target}.{part}"] = array
+    return out
+
+
+def _quantized_modules(weights: Mapping[str, mx.array]) -> dict[str, dict[str, int]]:
+    """{module path: {"group_size", "bits"}} for every quantized triple in `weights`."""
+    found = {}
+    for name in weights:
+        if not name.endswith(".scales"):
+            continue
+        module = name.removesuffix(".scales")
+        packed, scales = weights[f"{module}.weight"], weights[name]  # (out, in * bits / 32), (out, in / group)
+        if f"{module}.biases" not in weights:
+            raise ValueError(
+                f"quantized tensor {module} has scales but no biases (only affine quantization is supported)"
+            )
+        found[module] = {"group_size": GGUF_GROUP_SIZE, "bits": packed.shape[-1] // scales.shape[-1]}
+    return found
+
+
+def dequantize_affine(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
+    """MLX affine-quantized (packed (out, in * bits / 32) uint32, scales / biases (out, in / group))
+    -> float32 (out, in), computed in float32 as llama.cpp does (value = q * scale + bias).
+
+    `mx.dequantize` with float16 scales rounds through float16 (errors near 1e-3 on the embedding)
+    and is ~5x slower on CPU; this unpacks with vectorized shifts instead."""
+    scales32, biases32 = scales.astype(mx.float32), biases.astype(mx.float32)  # (out, in / group)
+    if 32 % bits:
+        return mx.dequantize(packed, scales32, biases32, group_size=group_size, bits=bits)  # (out, in)
+    rows = packed.shape[0]
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)  # (32 / bits,): element i sits at bits i*b .. i*b+b-1
+    q = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # (out, in * bits / 32, 32 / bits)
+    q = q.astype(mx.float32).reshape(rows, -1, group_size)  # (out, in / group, group)
+    return (q * scales32[..., None] + biases32[..., None]).reshape(rows, -1)  # (out, in)
+
+
+def _dequantize_all(weights: dict[str, mx.array], quantized: Mapping[str, Mapping[str, int]], dtype: mx.Dtype) -> None:
+    """Replace every quantized triple in `weights` by its float `dtype` weight, in place."""
+    for module, q in quantized.items():
+        w = dequantize_affine(
+            weights[f"{module}.weight"], weights.pop(f"{module}.scales"), weights.pop(f"{module}.biases"),
+            bits=q["bits"], group_size=q["group_size"],
+        )  # (out, in) float32
+        weights[f"{module}.weight"] = w.astype(dtype)
+        mx.eval(weights[f"{module}.weight"])  # one tensor at a time: the packed copy is freed as we go
+
+
+def build_model(
+    config: ModelConfig, weights: dict[str, mx.array], *, keep_quantized: bool, dtype: mx.Dtype
+) -> tuple[nn.Module, dict[str, dict[str, int]]]:
+    """The model of `config` holding `weights` (the model's names; quantized triples allowed).
+
+    Consumes `weights`. Returns (model, {quantized module path: {"group_size", "bits"}}), the
+    mapping empty when every triple was dequantized. ValueError (from mlx) on missing, extra or
+    mis-shaped weights."""
+    quantized = _quantized_modules(weights)
+    if not keep_quantized:
+        _dequantize_all(weights, quantized, dtype)
+        quantized = {}
+    for name, array in weights.items():
+        # scales/biases too: float16 ones make MLX's CPU quantized matmul 35-85x slower than float32 ones
+        if mx.issubdtype(array.dtype, mx.floating):
+            weights[name] = array.astype(dtype)
+    model = get_model_class(config.architecture)(config)
+    if quantized:
+        nn.quantize(model, class_predicate=lambda module_path, _module: quantized.get(module_path, False))
+    model.load_weights(list(weights.items()), strict=True)
+    weights.clear()
+    model.eval()
+    mx.eval(model.parameters())
+    return model, quantized
+
+
+def load_gguf(
+    path: str | Path | None = None, *, keep_quantized: bool | None = None, dtype: mx.Dtype | None = None
+) -> LoadedModel:
+    """Load a GGUF model file (None: the default model) with its tokenizer.
+
+    keep_quantized: None = quantized on a GPU, dequantized on CPU (the fast choice on each).
+    dtype: activations and float weights; None = float32 on CPU, float16 on a GPU.
+    """
+    start = time.perf_counter()
+    path = default_model_path() if path is None else Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"no GGUF file at {path}")
+    on_cpu = mx.default_device() == mx.cpu
+    keep = (not on_cpu) if keep_quantized is None else keep_quantized
+    dtype = dtype or (mx.float32 if on_cpu else mx.float16)
+
+    raw, metadata = mx.load(str(path), return_metadata=True)
+    config = config_from_gguf_metadata(metadata, frozenset(raw))
+    if "rope_freqs.weight" in raw:  # Llama 3.1 scaling, stored as per-frequency divisors
+        factors = tuple(float(f) for f in raw["rope_freqs.weight"].astype(mx.float32).tolist())
+        config = dataclasses.replace(config, rope_freq_factors=factors)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    weights = gguf_to_hf_weights(raw, config)
+    del raw
+    model, quantized = build_model(config, weights, keep_quantized=keep, dtype=dtype)
+    return LoadedModel(
+        model=model, config=config, tokenizer=tokenizer, path=path, dtype=dtype,
+        quantization=quantized, load_seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,38 @@
+"""Model architectures, by the name a checkpoint gives (GGUF `general.architecture`, config.json
+`model_type`).
+
+Model classes are imported on first use, so `import metrale.models` (and its config module) does
+not pull in mlx. Every class follows the runner's contract of `metrale.models.llama.LlamaForCausalLM`:
+`model(token_ids (T,), positions (T,), kv_cache, attn_metadata) -> hidden (T, D)` and
+`model.compute_logits(hidden (N, D)) -> (N, vocab)`, built as `cls(ModelConfig)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from metrale.models.config import ModelConfig, RopeScaling
+
+# architecture name -> "module:class"; qwen3 and gemma3 join here with their own modules.
+MODEL_ARCHITECTURES: dict[str, str] = {
+    "llama": "metrale.models.llama:LlamaForCausalLM",
+    "mistral": "metrale.models.llama:LlamaForCausalLM",
+}
+
+__all__ = ["MODEL_ARCHITECTURES", "ModelConfig", "RopeScaling", "get_model_class", "supported_architectures"]
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """The architecture names metrale can build, sorted."""
+    return tuple(sorted(MODEL_ARCHITECTURES))
+
+
+def get_model_class(architecture: str) -> type:
+    """The model class for `architecture`; ValueError listing the supported ones otherwise."""
+    target = MODEL_ARCHITECTURES.get(architecture)
+    if target is None:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,75 @@
+"""Rotary position embedding for flat batches: one position per token.
+
+`mx.fast.rope` takes an array offset with one entry per batch row (checked for mlx 0.32:
+row b of an input shaped (B, ..., L, D) is rotated as positions offset[b] .. offset[b] + L - 1).
+A flat batch puts each token in its own row with L = 1, so offset = positions gives every
+token its own position, whatever sequence it belongs to.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvcache.blas import preload_openblas
+
+preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
+
+import mlx.core as mx  # noqa: E402
+
+from metrale.models.config import ModelConfig, RopeScaling  # noqa: E402
+
+
+def llama3_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> mx.array:
+    """Llama 3.1 frequency schedule: long wavelengths slowed by `factor`, a smooth ramp between.
+
+    Returns the per-pair wavelength divisors in the form `mx.fast.rope(freqs=...)` expects
+    (the inverse of the angular frequency), shape (head_dim // 2,).
+    """
+    freqs = base ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)  # (head_dim // 2,)
+    wavelens = 2 * math.pi * freqs  # (head_dim // 2,)
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    freqs = mx.where(wavelens > low_freq_wavelen, freqs * scaling.factor, freqs)
+    is_medium = (wavelens > high_freq_wavelen) & (wavelens < low_freq_wavelen)
+    smooth = (scaling.original_max_position_embeddings / wavelens - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smooth_freqs = freqs / ((1 - smooth) / scaling.factor + smooth)
+    return mx.where(is_medium, smooth_freqs, freqs)  # (head_dim // 2,)
+
+
+class FlatRope:
+    """RoPE over (T, n_heads, head_dim) with a position per token. Holds no trainable weights."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.dims = config.head_dim
+        self.traditional = config.rope_traditional
+        self.scale = 1.0
+        self.base: float | None = config.rope_theta
+        self.freqs: mx.array | None = None  # (head_dim // 2,) when set
+        scaling = config.rope_scaling
+        if scaling is not None and scaling.rope_type == "linear":
+            self.scale = 1.0 / scaling.factor
+        elif scaling is not None and scaling.rope_type == "llama3":
+            self.freqs = llama3_frequencies(config.head_dim, config.rope_theta, scaling)
+            self.base = None
+        elif config.rope_freq_factors is not None:
+            exponents = mx.arange(0, config.head_dim, 2, dtype=mx.float32) / config.head_dim  # (head_dim // 2,)
+            factors = mx.array(config.rope_freq_factors, dtype=mx.float32)  # (head_dim // 2,)
+            self.freqs = (config.rope_theta**exponents) * factors  # (head_dim // 2,)
+            self.base = None
+
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x (T, n_heads, head_dim), positions (T,) int32 -> (T, n_heads, head_dim)."""
+        num_tokens, num_heads, head_dim = x.shape
+        rows = x.reshape(num_tokens, num_heads, 1, head_dim)  # (T, n_heads, 1, head_dim): one row per token
+        out = mx.fast.rope(
+            rows,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=positions,
+            freqs=self.freqs,
+        )  # (T, n_heads, 1, head_dim)
+        return out.reshape(num_tokens, num_heads, head_dim)
