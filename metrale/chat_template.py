@@ -1,0 +1,276 @@
+"""Chat templates: the model's own jinja template, rendered the way Hugging Face renders it.
+
+A template comes from the GGUF metadata (`tokenizer.chat_template`), from a model folder
+(chat_template.jinja, chat_template.json or tokenizer_config.json), or, when the model brings
+none, from the built-ins below. Rendering uses what `transformers.apply_chat_template` uses: an
+`ImmutableSandboxedEnvironment` with trim_blocks and lstrip_blocks, the loopcontrols extension,
+`raise_exception`, `strftime_now`, a `tojson` filter that keeps non-ASCII text, and the special
+tokens (bos_token, eos_token, ...) as variables. Each distinct template source is compiled once.
+
+Messages are validated before rendering (ValueError naming the message and the field), and
+content given as a list of text parts is joined with newlines (as vLLM does for text-only models).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ROLES = ("system", "user", "assistant", "tool")
+
+CHATML = """{%- for message in messages %}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+# Qwen3's format for system/user/assistant/tool turns: ChatML; an assistant turn's <think> part is
+# dropped before the last user message and kept after it; enable_thinking=False pre-fills an empty
+# think block. (Tool definitions in the system prompt are left to the model's own template.)
+QWEN3 = """{%- set ns = namespace(last_query=messages|length - 1) %}
+{%- for message in messages %}
+{%- if message['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- set content = message['content'] %}
+{%- if message['role'] == 'assistant' %}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+{%- if reasoning == '' and '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+{%- else %}
+{{- '<|im_start|>assistant\\n' + content }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""
+
+# Gemma 3's format: <bos>, a system message folded into the first user turn, "assistant" rendered
+# as "model", turn contents trimmed, user/model turns must alternate.
+GEMMA3 = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' %}
+{%- set loop_messages = messages[1:] %}
+{%- else %}
+{%- set first_user_prefix = '' %}
+{%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{%- endif %}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+{{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '')
+    + (message['content'] | trim) + '<end_of_turn>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"""
+
+BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML, "qwen3": QWEN3, "gemma3": GEMMA3}
+_BUILTIN_TOKENS: dict[str, tuple[str, str]] = {  # name -> (bos_token, eos_token)
+    "chatml": ("", "<|im_end|>"), "qwen3": ("", "<|im_end|>"), "gemma3": ("<bos>", "<eos>"),
+}
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the messages (its raise_exception), e.g. roles that do not alternate."""
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special tokens it may print."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
+                 special_tokens: Mapping[str, str] | None = None, name: str = "model") -> None:
+        """`special_tokens`: extra template variables such as unk_token / pad_token."""
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError("chat template source must be a non-empty string")
+        self.source = source
+        self.name = name
+        self.special_tokens = {**(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token}
+        self._template = _compile(source)
+
+    @classmethod
+    def builtin(cls, name: str, *, bos_token: str | None = None, eos_token: str | None = None) -> "ChatTemplate":
+        """One of BUILTIN_TEMPLATES ("chatml", "qwen3", "gemma3") with its usual special tokens."""
+        if name not in BUILTIN_TEMPLATES:
+            raise ValueError(f"unknown built-in chat template {name!r}; choose one of {sorted(BUILTIN_TEMPLATES)}")
+        default_bos, default_eos = _BUILTIN_TOKENS[name]
+        return cls(BUILTIN_TEMPLATES[name], name=name, bos_token=default_bos if bos_token is None else bos_token,
+                   eos_token=default_eos if eos_token is None else eos_token)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, fallback: str | None = None) -> "ChatTemplate":
+        """The GGUF's `tokenizer.chat_template`, or a built-in chosen from the architecture when absent."""
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        bos = _token_at(tokens, metadata.get("tokenizer.ggml.bos_token_id"))
+        eos = _token_at(tokens, metadata.get("tokenizer.ggml.eos_token_id"))
+        source = metadata.get("tokenizer.chat_template")
+        if isinstance(source, str) and source.strip():
+            return cls(source, bos_token=bos, eos_token=eos)
+        name = fallback or default_builtin(str(metadata.get("general.architecture", "")), tokens)
+        return cls.builtin(name, bos_token=bos or None, eos_token=eos or None)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, fallback: str | None = None) -> "ChatTemplate":
+        """From a Hugging Face model folder: chat_template.jinja, chat_template.json, tokenizer_config.json."""
+        folder = Path(folder)
+        config = _read_json(folder / "tokenizer_config.json")
+        source: Any = None
+        if (folder / "chat_template.jinja").is_file():
+            source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        elif (folder / "chat_template.json").is_file():
+            source = _read_json(folder / "chat_template.json").get("chat_template")
+        else:
+            source = config.get("chat_template")
+        source = _pick_default(source)
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        if source:
+            return cls(source, bos_token=bos, eos_token=eos)
+        model_type = str(_read_json(folder / "config.json").get("model_type", ""))
+        return cls.builtin(fallback or default_builtin(model_type, ()), bos_token=bos or None, eos_token=eos or None)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               tools: Sequence[Any] | None = None, **kwargs: Any) -> str:
+        """The prompt text for `messages`. ValueError on bad messages or when the template refuses them.
+
+        Extra keyword arguments (e.g. enable_thinking=False) become template variables. The result
+        already holds any bos token the template prints: encode it without adding special tokens.
+        """
+        checked = validate_messages(messages)
+        variables = {**self.special_tokens, **kwargs}
+        return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
+                                     tools=list(tools) if tools is not None else None, **variables)
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles and content; return copies whose content is a string (text parts joined by "\\n")."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{index}] must be an object with 'role' and 'content', "
+                             f"got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}")
+        entry = dict(message)
+        entry["content"] = _content_text(index, role, message)
+        checked.append(entry)
+    return checked
+
+
+def default_builtin(architecture: str, tokens: Sequence[str]) -> str:
+    """The built-in that fits a model without a template: by architecture, then by its special tokens."""
+    arch = architecture.lower()
+    if arch.startswith("gemma") or "<start_of_turn>" in tokens:
+        return "gemma3"
+    if arch.startswith("qwen3"):
+        return "qwen3"
+    return "chatml"
+
+
+# ---- internals ----
+
+def _content_text(index: int, role: str, message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        return ""  # an assistant turn that only calls tools
+    if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+        texts = []
+        for part_index, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"messages[{index}].content[{part_index}] must be "
+                                 f"{{'type': 'text', 'text': <string>}}; only text parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"messages[{index}].content must be a string or a list of text parts, "
+                     f"got {type(content).__name__}")
+
+
+class _GenerationTag(Extension):
+    """HF's {% generation %} ... {% endgeneration %} marks assistant text for training masks; render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> Any:
+    return _environment().from_string(source)
+
+
+def _token_at(tokens: Sequence[str], token_id: Any) -> str:
+    if token_id is None:
+        return ""
+    index = int(token_id.item() if hasattr(token_id, "item") else token_id)  # GGUF scalars are mx.arrays
+    return tokens[index] if 0 <= index < len(tokens) else ""
+
+
+def _token_text(token: Any) -> str:
+    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+    if isinstance(token, Mapping):
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+def _pick_default(source: Any) -> str | None:
+    """A template may be a list of {"name", "template"}: take "default" (HF's rule)."""
+    if isinstance(source, list):
+        named = {item.get("name"): item.get("template") for item in source if isinstance(item, Mapping)}
+        source = named.get("default")
+    return source if isinstance(source, str) and source.strip() else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}

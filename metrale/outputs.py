@@ -1,0 +1,82 @@
+"""What the engine hands back: stream deltas, completed results, stats."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """Log probability of one sampled token, with the top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """One delta of a request's stream: what is new since the previous delta.
+
+    Deltas a slow consumer did not pick up in time are merged, so `token_ids` may hold several
+    tokens. `finish_reason` is set only on the last delta ("stop" | "length" | "abort" | "error").
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative, including this delta
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, later: "RequestOutput") -> None:
+        """Fold a later delta into this one (the consumer has not read this one yet)."""
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        self.finish_reason = later.finish_reason
+        self.num_output_tokens = later.num_output_tokens
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class CompletionResult(msgspec.Struct, frozen=True):
+    """The whole result of a non-streaming request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """A snapshot of the engine's state, cheap to take."""
+
+    health: str
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_usage: float
+    peak_kv_usage: float
+    num_preemptions: int
+    num_steps: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    requests_finished: int
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)

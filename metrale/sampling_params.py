@@ -1,0 +1,182 @@
+"""SamplingParams: every per-request generation knob, validated once at construction.
+
+Invalid values raise ValueError before anything is queued; the message starts with the field name
+and states the allowed range, e.g. ``temperature must be a number in [0, 2], got 3.5``. Decoding
+from JSON or a dict (`from_dict`, `from_json`) runs the same checks and raises msgspec's
+ValidationError, which is a ValueError too.
+
+Ranges follow OpenAI where OpenAI defines the knob (temperature [0, 2], presence/frequency penalty
+[-2, 2], top_logprobs 0..20) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1], repetition
+penalty > 0). Semantics of the penalties and of logprobs are documented in metrale/sampler.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one request samples and when it stops.
+
+    max_tokens: output tokens to generate at most (>= 1).
+    temperature: 0 (or below 1e-5) is greedy argmax; otherwise logits are divided by it. [0, 2].
+    top_k: keep the k most likely tokens (ties with the k-th are kept); 0 or -1 turns it off.
+    top_p: nucleus sampling, keep the smallest set of most likely tokens whose mass >= top_p. (0, 1].
+    min_p: drop tokens whose probability is below min_p times the most likely one's. [0, 1].
+    seed: makes sampling reproducible: the token at output position i depends only on the logits,
+        the params, the seed and i, never on the batch it runs in. None: the engine's own stream.
+    stop: strings that end generation when they appear in the output text (a str or a sequence;
+        stored as a tuple). The stop string itself is not returned unless include_stop_str_in_output.
+    stop_token_ids: token ids that end generation (the token is counted but not detokenized).
+    ignore_eos: keep generating past the model's end-of-sequence tokens.
+    min_tokens: eos and stop_token_ids cannot be sampled before this many output tokens.
+    repetition_penalty: > 0; 1 is off. Divides positive / multiplies negative logits of every token
+        already in the prompt or the output (HF/vLLM semantics).
+    presence_penalty, frequency_penalty: [-2, 2]; 0 is off. Subtracted from the logits of tokens
+        already in the output: presence once, frequency once per occurrence (OpenAI semantics).
+    logprobs: None for none; n in 0..20 returns the sampled token's log probability plus the n most
+        likely alternatives.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    skip_special_tokens: leave special tokens (e.g. <|im_end|>) out of the detokenized text.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_top_k(self.top_k)
+        _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, *_SEED_RANGE)
+        msgspec.structs.force_setattr(self, "stop", _normalize_stop(self.stop))
+        msgspec.structs.force_setattr(self, "stop_token_ids", _normalize_token_ids(self.stop_token_ids))
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    # ---- derived ----
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the token is the argmax (temperature 0 or below 1e-5)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the repetition / presence / frequency penalties is on."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings as a tuple (empty when there are none)."""
+        return self.stop or ()  # type: ignore[return-value]  # normalized to a tuple in __post_init__
+
+    # ---- decoding (HTTP server, config files) ----
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Build from plain values (e.g. parsed JSON), type-checked by msgspec; unknown keys are refused.
+
+        Raises msgspec.ValidationError (a ValueError) naming the field.
+        """
+        return msgspec.convert(values, cls)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "SamplingParams":
+        """Decode a JSON object of sampling fields; raises msgspec.ValidationError (a ValueError)."""
+        return msgspec.json.decode(data, type=cls)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain Python values, the inverse of `from_dict`."""
+        return msgspec.to_builtins(self)
+
+
+# ---- checks: each raises ValueError(f"{field} must be ..., got {value!r}") ----
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if not _is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and value <= high  # type: ignore[operator]
+    if not ok:
+        if math.isinf(high):
+            allowed = f"> {low:g}" if low_open else f">= {low:g}"
+        else:
+            allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _check_top_k(value: object) -> None:
+    if not _is_int(value) or value < -1:  # type: ignore[operator]
+        raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to turn it off, got {value!r}")
+
+
+def _normalize_stop(stop: object) -> tuple[str, ...] | None:
+    if stop is None:
+        return None
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must hold non-empty strings, got {item!r}")
+    return tuple(items) or None
+
+
+def _normalize_token_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+    for token_id in ids:
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"stop_token_ids must hold integers >= 0, got {token_id!r}")
+    return tuple(ids)

@@ -1,0 +1,102 @@
+"""SamplingParams: defaults, normalization, and every invalid value rejected with its field named."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import msgspec
+import pytest
+
+from metrale.sampling_params import SamplingParams
+
+INVALID = [
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "16"),
+    ("temperature", -0.1), ("temperature", 2.01), ("temperature", math.nan), ("temperature", math.inf),
+    ("temperature", "hot"), ("temperature", False),
+    ("top_k", -2), ("top_k", 2.0), ("top_k", None),
+    ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.0001), ("top_p", math.nan),
+    ("min_p", -0.01), ("min_p", 1.5), ("min_p", math.inf),
+    ("seed", 1.0), ("seed", "42"), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", True),
+    ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5), ("stop", {"a": 1}),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7), ("stop_token_ids", [True]),
+    ("ignore_eos", 1), ("ignore_eos", "yes"),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 0.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("presence_penalty", -2.5), ("presence_penalty", 2.5), ("presence_penalty", math.nan),
+    ("frequency_penalty", -2.01), ("frequency_penalty", 3), ("frequency_penalty", None),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
+    ("include_stop_str_in_output", 0), ("include_stop_str_in_output", None),
+    ("skip_special_tokens", "false"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_value_is_rejected_naming_its_field(field, value):
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**{field: value})
+    message = str(error.value)
+    assert message.startswith(field), message
+    assert " must " in message and "got" in message, message
+
+
+def test_every_field_has_an_invalid_case():
+    assert {f for f, _ in INVALID} == set(SamplingParams.__struct_fields__)
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("temperature", 3.0, "[0, 2]"), ("top_p", 0.0, "(0, 1]"), ("min_p", 2.0, "[0, 1]"),
+    ("presence_penalty", 9.0, "[-2, 2]"), ("logprobs", 99, "[0, 20]"), ("max_tokens", 0, ">= 1"),
+    ("repetition_penalty", 0.0, "> 0"), ("top_k", -5, "0 / -1"),
+])
+def test_message_states_the_allowed_range(field, value, allowed):
+    with pytest.raises(ValueError, match=re.escape(allowed)):
+        SamplingParams(**{field: value})
+
+
+def test_defaults_are_valid_and_documented_values():
+    params = SamplingParams()
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.min_p) == (16, 1.0, 0, 1.0, 0.0)
+    assert params.stop is None and params.stop_strings == () and params.stop_token_ids == ()
+    assert params.logprobs is None and not params.is_greedy and not params.has_penalties
+
+
+def test_boundaries_are_accepted():
+    SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0, top_k=-1, presence_penalty=-2.0,
+                   frequency_penalty=2.0, logprobs=20, min_tokens=16, max_tokens=16, seed=-(2**63))
+    SamplingParams(temperature=2, top_p=1e-9, min_p=0, top_k=1, logprobs=0, seed=2**64 - 1, repetition_penalty=1e-3)
+
+
+def test_stop_and_stop_token_ids_are_normalized_to_tuples():
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=[]).stop is None
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+
+
+def test_greedy_and_penalty_flags():
+    assert SamplingParams(temperature=0).is_greedy and SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-4).is_greedy
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(presence_penalty=-0.5).has_penalties and SamplingParams(frequency_penalty=0.1).has_penalties
+
+
+def test_frozen_and_hashable():
+    params = SamplingParams(stop=["x"], stop_token_ids=[1])
+    with pytest.raises(AttributeError):
+        params.temperature = 0.5  # type: ignore[misc]
+    assert hash(params) == hash(SamplingParams(stop=("x",), stop_token_ids=(1,)))
+
+
+def test_from_dict_and_json_validate_and_name_the_field():
+    params = SamplingParams.from_dict({"max_tokens": 8, "stop": ["</s>"], "seed": 3})
+    assert params == SamplingParams(max_tokens=8, stop="</s>", seed=3)
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    assert SamplingParams.from_json(b'{"temperature": 0, "stop": "END"}') == SamplingParams(temperature=0, stop="END")
+    for bad, field in [({"temperature": 7}, "temperature"), ({"top_k": "x"}, "top_k"),
+                       ({"unknown_knob": 1}, "unknown_knob"), ({"min_tokens": 40}, "min_tokens")]:
+        with pytest.raises(msgspec.ValidationError, match=field):
+            SamplingParams.from_dict(bad)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams.from_json('{"logprobs": 50}')
