@@ -1,0 +1,286 @@
+"""AsyncEngine: the public, embeddable engine.
+
+    async with AsyncEngine(EngineConfig()) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(out.text, end="")
+
+Submission (`generate`, `chat`) is synchronous: it tokenizes, validates and queues, raising a clear
+error and changing nothing on bad input. Iterating the returned stream is what waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from kvcache.manager import KVCacheManager
+from metrale.config import EngineConfig
+from metrale.core import EngineCore
+from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError,
+                            EngineNotRunningError, QueueFullError, RequestRejectedError)
+from metrale.metrics import EngineMetrics
+from metrale.mlx_thread import MLXThread
+from metrale.outputs import CompletionResult, EngineStats, Usage
+from metrale.request_state import RequestState
+from metrale.runner import ModelRunner
+from metrale.sampling_params import SamplingParams
+from metrale.stream import RequestStream
+from scheduler import Request, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def _model_label(model: str | None) -> str:
+    """The model_name metric label, known before loading: the file or folder name."""
+    if model is None:
+        return "SmolLM2-135M-Instruct.Q4_1"
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name or model
+
+
+class AsyncEngine:
+    """Continuous-batching engine: many concurrent requests, one batched forward per step."""
+
+    def __init__(self, config: EngineConfig | None = None, *, registry: CollectorRegistry | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = EngineMetrics(self.registry, model_name=_model_label(self.config.model),
+                                     max_model_len=self.config.max_model_len or _DEFAULT_MAX_MODEL_LEN)
+        self._state = "stopped"  # stopped -> loading -> serving -> draining -> stopped
+        self._mlx: MLXThread | None = None
+        self._runner: ModelRunner | None = None
+        self._core: EngineCore | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle ----
+
+    async def start(self) -> "AsyncEngine":
+        """Load the model on the MLX thread and start the engine loop."""
+        if self._state != "stopped":
+            raise RuntimeError(f"engine already {self._state}")
+        self._state = "loading"
+        self._loop = asyncio.get_running_loop()
+        self._mlx = MLXThread()
+        try:
+            self._runner = await self._mlx.run(ModelRunner.load, self.config)
+        except BaseException:
+            self._mlx.shutdown()
+            self._state = "stopped"
+            raise
+        self._core = EngineCore(self._build_scheduler(self._runner), self._runner, self._mlx, self.metrics)
+        self.metrics.set_info(model=self.model_name, dtype=self._runner.dtype_name,
+                              kv_blocks=str(self._runner.kv_cache.num_blocks),
+                              block_size=str(self.config.block_size))
+        self._loop_task = asyncio.create_task(self._core.run_forever(), name="metrale-engine-loop")
+        self._loop_task.add_done_callback(self._on_loop_done)
+        self._state = "serving"
+        logger.info("engine serving %s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
+                    self._runner.kv_cache.num_blocks, self.config.block_size, self.max_model_len)
+        return self
+
+    def _build_scheduler(self, runner: ModelRunner) -> Scheduler:
+        cfg = self.config
+        model_len = cfg.max_model_len or min(runner.model_config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
+        self._max_model_len = model_len
+        kv = KVCacheManager(num_blocks=runner.kv_cache.num_blocks, block_size=cfg.block_size,
+                            enable_prefix_caching=cfg.enable_prefix_caching)
+        return Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=model_len, max_waiting=cfg.max_waiting, policy=cfg.policy,
+            block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching), kv)
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("engine loop ended: %r", task.exception())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
+        if self._core is None:
+            return
+        self._state = "draining"
+        deadline = time.monotonic() + timeout_s
+        while self._core.num_unfinished and time.monotonic() < deadline and self._core.dead is None:
+            await asyncio.sleep(0.02)
+        if self._core.num_unfinished:
+            logger.warning("drain timeout: aborting %d requests", self._core.num_unfinished)
+            self._core.abort_all()
+
+    async def shutdown(self) -> None:
+        """Abort what is left, stop the loop and the MLX thread. Leaves nothing running."""
+        if self._state == "stopped":
+            return
+        if self._core is not None and self._core.dead is None:
+            self._core.abort_all()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._mlx is not None:
+            await asyncio.to_thread(self._mlx.shutdown)
+        self._state = "stopped"
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    # ---- submission ----
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request and return its stream. Raises ValueError (bad input, too long),
+        QueueFullError, EngineDrainingError or EngineNotRunningError; nothing is queued then."""
+        runner = self._accepting()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_ids(prompt, runner)
+        return self._submit(prompt_ids, params, request_id, priority)
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+             request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Render the model's chat template over messages, then `generate` from it."""
+        ids = self.chat_prompt_ids(messages)
+        return self.generate(ids, params, request_id=request_id, priority=priority)
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt token ids `chat` would submit for messages (ValueError on bad messages)."""
+        runner = self._accepting()
+        try:
+            prompt = runner.chat_template.render(messages, add_generation_prompt=True)
+        except ValueError:
+            self.metrics.record_rejected("invalid_request")
+            raise
+        return runner.tokenizer.encode(prompt, add_special_tokens=False)
+
+    async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: int = 0) -> CompletionResult:
+        """Run a request to the end and return its whole result (raises RequestFailedError on error)."""
+        async with self.generate(prompt, params, request_id=request_id, priority=priority) as stream:
+            text, token_ids, logprobs = [], [], []
+            finish_reason, num_prompt = "abort", 0
+            async for out in stream:
+                text.append(out.text)
+                token_ids.extend(out.token_ids)
+                if out.logprobs:
+                    logprobs.extend(out.logprobs)
+                finish_reason, num_prompt = out.finish_reason or finish_reason, out.num_prompt_tokens
+        return CompletionResult(request_id=stream.request_id, text="".join(text), token_ids=token_ids,
+                                finish_reason=finish_reason, usage=Usage(num_prompt, len(token_ids)),
+                                logprobs=logprobs or None)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (sync). Its stream ends with finish_reason "abort" at the next step
+        boundary, where its blocks are freed. False when the id is unknown or already finished."""
+        if self._core is None or self._loop is None or self._loop.is_closed():
+            return False
+        try:
+            running_loop = asyncio.get_running_loop()
+        except RuntimeError:
+            running_loop = None
+        if running_loop is not self._loop:  # e.g. a stream collected on another thread
+            self._loop.call_soon_threadsafe(self._core.abort, request_id)
+            return True
+        return self._core.abort(request_id)
+
+    def _accepting(self) -> ModelRunner:
+        if self._state == "draining":
+            self.metrics.record_rejected("draining")
+            raise EngineDrainingError("engine is draining for shutdown; not accepting requests")
+        if self._state != "serving" or self._runner is None or self._core is None:
+            raise EngineNotRunningError(f"engine is {self._state}; call start() first")
+        if self._core.dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._core.dead!r}")
+        return self._runner
+
+    def _prompt_ids(self, prompt: str | Sequence[int], runner: ModelRunner) -> list[int]:
+        if isinstance(prompt, str):
+            ids = runner.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = runner.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                self.metrics.record_rejected("invalid_request")
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        else:
+            self.metrics.record_rejected("invalid_request")
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            self.metrics.record_rejected("invalid_request")
+            raise ValueError("prompt is empty")
+        return ids
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+                priority: int) -> RequestStream:
+        core = self._core
+        runner = self._runner
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(
+            request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=params.max_tokens,
+            eos_token_ids=runner.tokenizer.eos_token_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, priority=priority)
+        state = RequestState(request_id, params, len(prompt_ids), runner.new_detokenizer(prompt_ids, params.skip_special_tokens))
+        try:
+            core.add(request, state)
+        except QueueFullError:
+            self.metrics.record_rejected("queue_full")
+            raise
+        except DuplicateRequestError:
+            self.metrics.record_rejected("invalid_request")
+            raise
+        except RequestRejectedError:
+            self.metrics.record_rejected("too_long")
+            raise
+        except ValueError:
+            self.metrics.record_rejected("invalid_request")
+            raise
+        return RequestStream(state.channel, self.abort)
+
+    # ---- introspection ----
+
+    @property
+    def model_name(self) -> str:
+        return self._runner.model_name if self._runner is not None else (self.config.model or "default")
+
+    @property
+    def max_model_len(self) -> int:
+        return getattr(self, "_max_model_len", 0)
+
+    @property
+    def tokenizer(self):
+        if self._runner is None:
+            raise EngineNotRunningError("engine not started")
+        return self._runner.tokenizer
+
+    def health(self) -> str:
+        """"loading" | "serving" | "draining" | "unhealthy" | "stopped"."""
+        if self._core is not None and self._core.dead is not None:
+            return "unhealthy"
+        return self._state
+
+    def stats(self) -> EngineStats:
+        core = self._core
+        if core is None:
+            raise EngineNotRunningError("engine not started")
+        kv = core.scheduler.kv_cache_manager
+        return EngineStats(
+            health=self.health(), running=core.scheduler.num_running, waiting=core.scheduler.num_waiting,
+            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_usage=kv.usage,
+            peak_kv_usage=core.peak_kv_usage, num_preemptions=core.scheduler.num_preemptions,
+            num_steps=core.num_steps, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, requests_finished=core.num_finished)
+
+    def check_integrity(self) -> None:
+        """Raise if the KV accounting is inconsistent (tests call this after every scenario)."""
+        if self._core is None:
+            raise EngineNotRunningError("engine not started")
+        self._core.scheduler.check_integrity()

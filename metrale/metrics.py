@@ -1,0 +1,208 @@
+"""Prometheus metrics for the engine: names, units and buckets in one place.
+
+The engine owns one `EngineMetrics` and reports to it through four calls, all on the event-loop
+thread (no locks): `record_iteration` once per step, `record_finished` once per finished request
+(success, abort and error alike, the same finish path), `record_rejected` once per request refused at
+submit time, and `set_gauges` when idle. The registry is injected, so a service that embeds the engine
+scrapes it with its own registry, and tests get a fresh one each; the global default registry is used
+only when it is passed in explicitly.
+
+Naming follows Prometheus conventions: `metrale_` prefix, base units (`_seconds`), `_total` on
+counters, 0..1 `_ratio` gauges, and no per-request labels (only `model_name`, plus `finished_reason`
+and `reason` with small fixed value sets). Buckets are vLLM's, so its dashboards port by renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_full", "invalid_request", "too_long", "draining")
+
+# Buckets (seconds unless named otherwise), as vLLM v1's PrometheusStatLogger.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """[1, 2, 5, 10, 20, 50, ...] up to and including `max_value` (vLLM's token-count buckets)."""
+    if max_value < 1:
+        raise ValueError(f"max_value must be >= 1, got {max_value}")
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
+@dataclass(frozen=True, slots=True)
+class IterationStats:
+    """What one engine step did. Token counts and latencies are for this step only."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1, after the step
+    num_prompt_tokens: int  # prompt tokens computed this step
+    num_generation_tokens: int  # tokens sampled this step
+    num_batched_tokens: int  # all tokens in the step's forward pass
+    time_to_first_tokens_s: tuple[float, ...] = ()  # one per request that got its first token
+    inter_token_latencies_s: tuple[float, ...] = ()  # one per token gap
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # tokens found there
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequestStats:
+    """One finished request (any finish reason). Phase times are 0.0 for phases it never reached."""
+
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    e2e_latency_s: float  # arrival -> finish
+    queue_time_s: float  # arrival -> first scheduled
+    prefill_time_s: float  # first scheduled -> first token
+    decode_time_s: float  # first token -> last token
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class EngineMetrics:
+    """All `metrale_*` series of one engine, registered in one registry.
+
+    `registry` None means a fresh `CollectorRegistry` (never the process-global default unless it is
+    passed). `max_model_len` bounds the 1-2-5 buckets of the prompt and generation length histograms.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "metrale",
+                 max_model_len: int = 8192) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        reg, label = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=reg).labels(model_name)
+
+        self._running = gauge("metrale_requests_running", "Requests in the running batch.")
+        self._waiting = gauge("metrale_requests_waiting", "Requests waiting to be scheduled.")
+        self._kv_usage = gauge("metrale_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).")
+        self._prompt_tokens = counter("metrale_prompt_tokens", "Prompt tokens computed (prefill).")
+        self._generation_tokens = counter("metrale_generation_tokens", "Tokens generated.")
+        self._preemptions = counter("metrale_num_preemptions", "Requests preempted for recompute.")
+        self._prefix_queries = counter("metrale_prefix_cache_queries",
+                                       "Prompt tokens looked up in the prefix cache.")
+        self._prefix_hits = counter("metrale_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        success = Counter("metrale_request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self._success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        rejected = Counter("metrale_requests_rejected", "Requests refused at submit time, by reason.",
+                           ["model_name", "reason"], registry=reg)
+        self._rejected = {r: rejected.labels(model_name, r) for r in REJECT_REASONS}
+
+        self._ttft = histogram("metrale_time_to_first_token_seconds",
+                               "Arrival to first generated token.", TTFT_BUCKETS)
+        self._itl = histogram("metrale_inter_token_latency_seconds",
+                              "Time between consecutive generated tokens of a request.", ITL_BUCKETS)
+        self._e2e = histogram("metrale_e2e_request_latency_seconds",
+                              "Arrival to finish, any finish reason.", REQUEST_LATENCY_BUCKETS)
+        self._queue = histogram("metrale_request_queue_time_seconds",
+                                "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS)
+        self._prefill = histogram("metrale_request_prefill_time_seconds",
+                                  "First scheduled to first token.", REQUEST_LATENCY_BUCKETS)
+        self._decode = histogram("metrale_request_decode_time_seconds",
+                                 "First token to last token.", REQUEST_LATENCY_BUCKETS)
+        length_buckets = build_1_2_5_buckets(max_model_len)
+        self._prompt_len = histogram("metrale_request_prompt_tokens",
+                                     "Prompt length of finished requests, in tokens.", length_buckets)
+        self._generation_len = histogram("metrale_request_generation_tokens",
+                                         "Generated length of finished requests, in tokens.", length_buckets)
+        self._iteration_tokens = histogram("metrale_iteration_tokens_total",
+                                           "Tokens in one engine step's forward pass.", ITERATION_TOKEN_BUCKETS)
+        self._info = Info("metrale_build", "metrale build and engine configuration (value is always 1).",
+                          registry=reg)
+        self._info.info({"model_name": model_name})
+
+    def record_iteration(self, stats: IterationStats) -> None:
+        """Account one engine step: gauges, token counters, TTFT and ITL samples, step size."""
+        self.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        _check_counts(stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_batched_tokens,
+                      stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        if stats.prefix_cache_hits > stats.prefix_cache_queries:
+            raise ValueError(f"prefix_cache_hits {stats.prefix_cache_hits} > "
+                             f"prefix_cache_queries {stats.prefix_cache_queries}")
+        self._prompt_tokens.inc(stats.num_prompt_tokens)
+        self._generation_tokens.inc(stats.num_generation_tokens)
+        self._preemptions.inc(stats.num_preemptions)
+        self._prefix_queries.inc(stats.prefix_cache_queries)
+        self._prefix_hits.inc(stats.prefix_cache_hits)
+        for ttft in stats.time_to_first_tokens_s:
+            self._ttft.observe(ttft)
+        for itl in stats.inter_token_latencies_s:
+            self._itl.observe(itl)
+        if stats.num_batched_tokens > 0:  # a step that computed nothing is not a sample
+            self._iteration_tokens.observe(stats.num_batched_tokens)
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        """Account one finished request, whatever its finish reason.
+
+        Latency and length samples are always taken; prefill and decode time only for a request
+        that produced a token (one that never got that far has no such phase, not a zero-long one).
+        """
+        success = self._success.get(stats.finish_reason)
+        if success is None:
+            raise ValueError(f"finish_reason {stats.finish_reason!r} not in {FINISH_REASONS}")
+        _check_counts(stats.num_prompt_tokens, stats.num_generation_tokens)
+        success.inc()
+        self._e2e.observe(stats.e2e_latency_s)
+        self._queue.observe(stats.queue_time_s)
+        if stats.num_generation_tokens > 0:
+            self._prefill.observe(stats.prefill_time_s)
+            self._decode.observe(stats.decode_time_s)
+        self._prompt_len.observe(stats.num_prompt_tokens)
+        self._generation_len.observe(stats.num_generation_tokens)
+
+    def record_rejected(self, reason: str) -> None:
+        """Count one request refused before it was queued (`reason` in REJECT_REASONS)."""
+        counter = self._rejected.get(reason)
+        if counter is None:
+            raise ValueError(f"reject reason {reason!r} not in {REJECT_REASONS}")
+        counter.inc()
+
+    def set_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Set the scheduler-state gauges (also used to refresh them while idle)."""
+        _check_counts(num_running, num_waiting)
+        if not 0.0 <= kv_cache_usage <= 1.0:
+            raise ValueError(f"kv_cache_usage must be in [0, 1], got {kv_cache_usage}")
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv_usage.set(kv_cache_usage)
+
+    def set_info(self, **labels: object) -> None:
+        """Set the labels of `metrale_build_info` (version, block_size, ...); values become strings.
+
+        `model_name` is always included; each call replaces the previous label set.
+        """
+        values = {"model_name": self.model_name}
+        values.update({key: str(value) for key, value in labels.items()})
+        self._info.info(values)
+
+
+def _check_counts(*counts: int) -> None:
+    for count in counts:
+        if count < 0:
+            raise ValueError(f"counts must be >= 0, got {counts}")

@@ -1,0 +1,29 @@
+"""The one thread where MLX runs.
+
+MLX streams are thread-local, so every MLX operation (load, forward, sampling, eval, tolist) runs on
+this single worker; the event loop awaits its results and is never blocked by them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class MLXThread:
+    """A single-worker executor; `await run(fn, ...)` executes fn on the MLX thread."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-mlx")
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        """Wait for the running call (if any) and stop the thread."""
+        self._executor.shutdown(wait=True)

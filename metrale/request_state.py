@@ -1,0 +1,85 @@
+"""The engine's per-request state on the event-loop side: text, stop strings, timings, its channel.
+
+The scheduler's `Request` owns token ids and KV progress; this owns everything that turns tokens into
+what the consumer sees. Created at submit, dropped when the final delta is pushed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from metrale.detokenizer import IncrementalDetokenizer
+from metrale.outputs import RequestOutput, TokenLogprob
+from metrale.sampling_params import SamplingParams
+from metrale.stop import StopStringMatcher
+from metrale.stream import OutputChannel
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Monotonic timestamps of one request's lifecycle (None until it happens)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """What one step produced for one request, after detokenizing and stop-string matching."""
+
+    output: RequestOutput
+    stop_string_matched: bool
+
+
+class RequestState:
+    """Turns a request's new token ids into stream deltas: detokenizes, matches stop strings."""
+
+    __slots__ = ("request_id", "params", "channel", "num_prompt_tokens", "num_output_tokens",
+                 "times", "_detokenizer", "_stop_matcher")
+
+    def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int,
+                 detokenizer: IncrementalDetokenizer) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.channel = OutputChannel(request_id)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0
+        self.times = RequestTimes()
+        self._detokenizer = detokenizer
+        self._stop_matcher = (StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)
+                              if params.stop_strings else None)
+
+    def on_tokens(self, token_ids: tuple[int, ...], finish_reason: str | None,
+                  hide_last_token: bool, logprobs: list[TokenLogprob] | None) -> TextDelta:
+        """Detokenize new ids (the stop token id, if any, is counted but never becomes text)."""
+        self.num_output_tokens += len(token_ids)
+        text_ids = token_ids[:-1] if hide_last_token else token_ids
+        text = self._detokenizer.push(text_ids) if text_ids else ""
+        if finish_reason is not None:
+            text += self._detokenizer.flush()
+        matched = False
+        if self._stop_matcher is not None:
+            text, matched = self._stop_matcher.feed(text)
+            if finish_reason is not None and not matched:
+                text += self._stop_matcher.flush()
+                matched = self._stop_matcher.matched
+        if matched:
+            finish_reason = "stop"
+        output = RequestOutput(request_id=self.request_id, token_ids=list(token_ids), text=text,
+                               finish_reason=finish_reason, num_prompt_tokens=self.num_prompt_tokens,
+                               num_output_tokens=self.num_output_tokens, logprobs=logprobs)
+        return TextDelta(output, matched)
+
+    def final_output(self, finish_reason: str) -> RequestOutput:
+        """The last delta of a request ended outside a step's tokens (abort, error)."""
+        text = ""
+        if finish_reason != "abort":  # an abort drops held-back text; an error delivers it
+            text = self._detokenizer.flush()
+            if self._stop_matcher is not None:
+                text = self._stop_matcher.feed(text)[0] + self._stop_matcher.flush()
+        return RequestOutput(request_id=self.request_id, token_ids=[], text=text,
+                             finish_reason=finish_reason, num_prompt_tokens=self.num_prompt_tokens,
+                             num_output_tokens=self.num_output_tokens)

@@ -1,0 +1,116 @@
+"""Per-request async token streams.
+
+The engine pushes deltas into an `OutputChannel`; the consumer iterates the `RequestStream` that
+wraps it. The engine holds only the channel, so a stream the consumer drops (breaking out of
+`async for`) is collected at once and aborts its request.
+
+    engine loop --put(delta)--> OutputChannel  <--get()-- RequestStream <-- async for / aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from metrale.errors import RequestFailedError
+from metrale.outputs import RequestOutput
+
+
+class OutputChannel:
+    """The engine's side of one stream: holds at most one pending delta, merging later ones into it.
+
+    A slow consumer therefore costs O(1) objects and never stalls the engine loop.
+    """
+
+    __slots__ = ("request_id", "_pending", "_ready", "error")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def put(self, output: RequestOutput, error: BaseException | None = None) -> None:
+        """Queue a delta (merged into any unread one). Called on the event-loop thread only."""
+        if error is not None:
+            self.error = error
+        if self._pending is None:
+            self._pending = output
+        else:
+            self._pending.merge(output)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The next (possibly merged) delta; waits until there is one."""
+        while self._pending is None:
+            self._ready.clear()
+            await self._ready.wait()
+        output, self._pending = self._pending, None
+        return output
+
+
+class RequestStream:
+    """Async iterator of `RequestOutput` deltas for one request; also an async context manager.
+
+    Ending it early in any way (`aclose()`, leaving `async with`, breaking out of `async for`,
+    cancelling the consuming task) aborts the request; its KV blocks are freed at the next step
+    boundary. A request that fails yields its last delta (finish_reason "error"), then raises
+    `RequestFailedError` from the original exception.
+    """
+
+    def __init__(self, channel: OutputChannel, abort: Callable[[str], object]) -> None:
+        self._channel = channel
+        self._abort = abort
+        self._finished = False  # the final delta was read, or the stream was closed
+        self._raise_next: BaseException | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._channel.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._raise_next is not None:
+            error, self._raise_next = self._raise_next, None
+            raise error
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            output = await self._channel.get()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        if output.finish_reason is not None:
+            self._finished = True
+            if output.finish_reason == "error":
+                self._raise_next = self._failure()
+        return output
+
+    def _failure(self) -> RequestFailedError:
+        cause = self._channel.error
+        failure = RequestFailedError(self.request_id, f"{type(cause).__name__}: {cause}")
+        failure.__cause__ = cause
+        return failure
+
+    async def aclose(self) -> None:
+        """End the stream now; the request is aborted unless it already finished."""
+        self._close()
+
+    def _close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._abort(self.request_id)
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        # Dropped without reaching the end (e.g. `break` in `async for`): abort the request.
+        if not self._finished:
+            self._finished = True
+            self._abort(self.request_id)

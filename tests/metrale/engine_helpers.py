@@ -1,0 +1,24 @@
+"""Shared pieces of the engine tests: a real-model engine per test module, under each event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+def assert_clean(engine) -> None:
+    """The KV integrity check: nothing running or waiting, every block free, accounting consistent."""
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.running == 0 and stats.waiting == 0, stats
+    assert stats.kv_blocks_free == stats.kv_blocks_total, stats
+
+
+async def wait_idle(engine, timeout_s: float = 30.0) -> None:
+    """Wait until the engine has finished every request (aborts land at a step boundary)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while engine.stats().running or engine.stats().waiting or engine._core.num_unfinished:
+        if loop.time() > deadline:
+            pytest.fail(f"engine not idle after {timeout_s} s: {engine.stats()}")
+        await asyncio.sleep(0.01)

@@ -1,0 +1,173 @@
+"""AsyncEngine end to end on the real default model, under asyncio and uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+
+from metrale import AsyncEngine, EngineConfig, RequestFailedError, SamplingParams
+from tests.metrale.engine_helpers import assert_clean, wait_idle
+
+pytestmark = [pytest.mark.real_model, pytest.mark.both_loops, pytest.mark.asyncio(loop_scope="module")]
+
+PROMPTS = [
+    "The capital of Italy is", "Once upon a time, in a small village,", "def fibonacci(n):",
+    "The three primary colors are", "Water boils at", "My favourite book is",
+    "To make a cup of tea, first", "The largest planet in the solar system is",
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    config = EngineConfig(kv_cache_bytes=256 << 20, max_num_seqs=64, max_num_batched_tokens=512)
+    async with AsyncEngine(config) as eng:
+        yield eng
+
+
+async def collect(stream):
+    ids, text, finish = [], [], None
+    async for out in stream:
+        ids.extend(out.token_ids)
+        text.append(out.text)
+        finish = out.finish_reason
+    return ids, "".join(text), finish
+
+
+async def test_chat_capital_of_france(engine):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids, text, finish = await collect(engine.chat(messages, SamplingParams(max_tokens=24, temperature=0)))
+    assert "Paris" in text, text
+    assert finish in ("stop", "length")
+    assert_clean(engine)
+
+
+async def test_batch_invariance_greedy(engine):
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    alone = [(await engine.complete(p, params)).token_ids for p in PROMPTS]
+    together = await asyncio.gather(*(engine.complete(p, params) for p in PROMPTS))
+    assert [r.token_ids for r in together] == alone
+    assert all(len(ids) == 32 for ids in alone)
+    assert_clean(engine)
+
+
+async def test_forty_streams_ten_cancelled_four_ways(engine):
+    max_tokens = 12
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    streams = [engine.generate(PROMPTS[i % len(PROMPTS)] + f" ({i})", params) for i in range(40)]
+
+    async def full(stream):
+        return await collect(stream)
+
+    async def by_aclose(stream):
+        async for out in stream:
+            await stream.aclose()
+        return "aclose"
+
+    async def by_abort(stream):
+        async for out in stream:
+            if out.token_ids:
+                assert engine.abort(stream.request_id)
+        return "abort"
+
+    tasks = []
+    for i, stream in enumerate(streams):
+        kind = i % 4 if i < 10 else None
+        if kind == 0:
+            tasks.append(asyncio.create_task(by_aclose(stream)))
+        elif kind == 1:
+            tasks.append(asyncio.create_task(by_abort(stream)))
+        elif kind == 2:
+            tasks.append(asyncio.create_task(full(stream)))  # cancelled below, mid-stream
+        elif kind == 3:
+            tasks.append(asyncio.create_task(_break_after_one(stream)))
+        else:
+            tasks.append(asyncio.create_task(full(stream)))
+    streams.clear()  # the break case must hold the only reference to its stream
+    await asyncio.sleep(0)
+    while engine.stats().num_steps < 3:
+        await asyncio.sleep(0.01)
+    for i in range(2, 10, 4):
+        tasks[i].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for i in range(2, 10, 4):
+        assert isinstance(results[i], asyncio.CancelledError)
+    for ids, text, finish in results[10:]:
+        assert len(ids) == max_tokens and finish == "length"
+    await wait_idle(engine)
+    assert_clean(engine)
+
+
+async def _break_after_one(stream):
+    it = stream
+    del stream
+    async for out in it:
+        break
+    del it  # the stream is collected here, which aborts its request
+    return "break"
+
+
+async def test_step_failure_fails_its_requests_then_recovers(engine, monkeypatch):
+    real_execute = engine._runner.execute
+    calls = {"n": 0}
+
+    def failing_execute(step):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected forward failure")
+        return real_execute(step)
+
+    monkeypatch.setattr(engine._runner, "execute", failing_execute)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    streams = [engine.generate(p, params) for p in PROMPTS[:4]]
+    results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+    assert all(isinstance(r, RequestFailedError) for r in results), results
+    assert "injected forward failure" in str(results[0])
+    await wait_idle(engine)
+    assert_clean(engine)
+    result = await engine.complete(PROMPTS[0], params)
+    assert len(result.token_ids) == 8 and result.finish_reason == "length"
+    assert engine.health() == "serving"
+    assert_clean(engine)
+
+
+async def test_event_loop_ticks_during_long_prefill(engine):
+    prompt = " ".join(f"word{i}" for i in range(600))  # several prefill chunks
+    ticks: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(ticker())
+    start = time.perf_counter()
+    result = await engine.complete(prompt, SamplingParams(max_tokens=1, temperature=0))
+    elapsed = time.perf_counter() - start
+    done.set()
+    await task
+    assert result.usage.prompt_tokens > 1000
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert len(ticks) > 5
+    assert max(gaps) < 0.5 * elapsed, (max(gaps), elapsed)
+    assert_clean(engine)
+
+
+async def test_bad_input_changes_nothing(engine):
+    before = engine.stats()
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", SamplingParams())
+    with pytest.raises(ValueError):
+        engine.generate([10**9], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len|exceed|long"):
+        engine.generate("hi", SamplingParams(max_tokens=10**6))
+    with pytest.raises(ValueError):
+        engine.chat([{"role": "wizard", "content": "hi"}], SamplingParams())
+    after = engine.stats()
+    assert (after.running, after.waiting, after.kv_blocks_free) == (before.running, before.waiting, before.kv_blocks_free)
+    assert_clean(engine)
