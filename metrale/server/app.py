@@ -1,0 +1,193 @@
+"""The OpenAI-compatible ASGI application: a small router over one AsyncEngine.
+
+    GET  /health                 200 {"status": "serving"}; 503 while loading, draining or unhealthy
+    GET  /metrics                Prometheus text from the engine's registry
+    GET  /v1/models[/{id}]       the one served model
+    POST /v1/completions         see completions.py
+    POST /v1/chat/completions
+
+Hand-written rather than a framework: five routes, msgspec bodies, and direct control of the
+ASGI `receive` channel, which the disconnect watcher needs. With `manage_engine` the app starts the
+engine in the background at lifespan startup (so /health answers 503 "loading" meanwhile) and
+shuts it down at lifespan shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import Any, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from metrale.server import completions
+from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, read_body, send_bytes, send_error,
+                                 send_json)
+from metrale.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+_POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+
+
+class ServerApp:
+    """ASGI app serving `engine` (an AsyncEngine) over OpenAI's HTTP API.
+
+    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (/health, /metrics stay open).
+    served_model_name: the model id clients use; the engine's model name by default.
+    default_max_tokens: max_tokens of a chat request that sets none (completions default to 16).
+    on_fatal: called (no arguments) when the engine fails to start, so the process can exit.
+    """
+
+    def __init__(self, engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
+                 manage_engine: bool = True,
+                 on_fatal: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.max_body_bytes = max_body_bytes
+        self.default_max_tokens = default_max_tokens
+        self.manage_engine = manage_engine
+        self.on_fatal = on_fatal
+        self.startup_error: BaseException | None = None
+        self._api_key = api_key.encode() if api_key else None
+        self._served_model_name = served_model_name
+        self._start_task: asyncio.Task | None = None
+        self._created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self._served_model_name or self.engine.model_name
+
+    def health(self) -> str:
+        """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
+        return "unhealthy" if self.startup_error is not None else self.engine.health()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
+        if self._start_task is not None and not self._start_task.done():
+            return  # still loading: nothing in flight; shutdown cancels the load
+        await self.engine.drain(timeout_s)
+
+    # ---- ASGI ----
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+        else:
+            raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._route(scope, receive, tracked_send)
+        except ClientDisconnected:
+            logger.debug("client disconnected before sending its body")
+        except APIError as error:
+            if error.reject_reason is not None:
+                self.engine.metrics.record_rejected(error.reject_reason)
+            if started:
+                raise
+            await send_error(send, error)
+        except Exception:
+            logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            await send_error(send, APIError(500, "internal server error", code="internal_error"))
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path == "/health":
+            return await self._only(method, "GET", self._health(send))
+        if path == "/metrics":
+            return await self._only(method, "GET", self._metrics(send))
+        if not path.startswith("/v1/"):
+            raise APIError(404, f"no route for {path}", code="not_found")
+        self._authenticate(scope)
+        if path in _POST_ROUTES:
+            if method != "POST":
+                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
+            body = await read_body(scope, receive, self.max_body_bytes)
+            return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
+                                            send, receive, default_max_tokens=self.default_max_tokens)
+        if path == "/v1/models":
+            return await self._only(method, "GET", send_json(send, 200, {"object": "list",
+                                                                         "data": [self._model_card()]}))
+        if path.startswith("/v1/models/"):
+            model = path.removeprefix("/v1/models/")
+            if model != self.model_name:
+                raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+            return await self._only(method, "GET", send_json(send, 200, self._model_card()))
+        raise APIError(404, f"no route for {path}", code="not_found")
+
+    @staticmethod
+    async def _only(method: str, allowed: str, response: Any) -> None:
+        if method != allowed:
+            response.close()  # never awaited: release the coroutine
+            raise APIError(405, f"method {method} not allowed; use {allowed}", code="method_not_allowed")
+        await response
+
+    def _authenticate(self, scope: Scope) -> None:
+        if self._api_key is None:
+            return
+        for key, value in scope["headers"]:
+            if key == b"authorization" and value.startswith(b"Bearer ") and \
+                    hmac.compare_digest(value[len(b"Bearer "):], self._api_key):
+                return
+        raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                       code="invalid_api_key")
+
+    async def _health(self, send: Send) -> None:
+        state = self.health()
+        await send_json(send, 200 if state == "serving" else 503, {"status": state})
+
+    async def _metrics(self, send: Send) -> None:
+        body = generate_latest(self.engine.registry)
+        await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",
+                "max_model_len": self.engine.max_model_len}
+
+    # ---- lifespan ----
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                if self.manage_engine:
+                    self._start_task = asyncio.create_task(self._start_engine(), name="metrale-engine-start")
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.manage_engine:
+                    await self._stop_engine()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _start_engine(self) -> None:
+        try:
+            await self.engine.start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            logger.exception("engine failed to start")
+            self.startup_error = error
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        logger.info("serving model %s (max_model_len %d)", self.model_name, self.engine.max_model_len)
+
+    async def _stop_engine(self) -> None:
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+            await asyncio.gather(self._start_task, return_exceptions=True)
+        await self.engine.shutdown()

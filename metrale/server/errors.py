@@ -1,0 +1,94 @@
+"""OpenAI-style errors: one exception type for every HTTP failure, and the engine's errors mapped to it.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`. The status table:
+
+    400 invalid_request_error   bad JSON, wrong types, invalid parameters, bad messages, prompt too long
+    401 authentication_error    --api-key set and the request's bearer token is missing or wrong
+    404 invalid_request_error   unknown route, or a model this server does not serve (code model_not_found)
+    405 invalid_request_error   wrong method for the route
+    413 invalid_request_error   body over --max-body-bytes
+    429 rate_limit_error        the engine's waiting queue is full (Retry-After: 1)
+    500 internal_error          a request failed inside the engine
+    503 service_unavailable     loading, draining for shutdown, unhealthy, or the request was aborted
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError,
+                            EngineNotRunningError, QueueFullError, RequestRejectedError)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "service_unavailable"}
+_MSGSPEC_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI error body. `reject_reason` names the rejection metric, if any."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 reject_reason: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.reject_reason = reject_reason
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Extra response headers: a retry hint on 429 and 503."""
+        return [(b"retry-after", b"1")] if self.status in (429, 503) else []
+
+    def body(self) -> dict:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "internal_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """A 400 for a request the server itself refuses (counted as invalid_request)."""
+    return APIError(400, message, param=param, reject_reason="invalid_request")
+
+
+def from_decode_error(error: msgspec.DecodeError) -> APIError:
+    """A 400 for an unparsable body or one of the wrong shape; `param` is the offending field's path."""
+    match = _MSGSPEC_PATH.search(str(error))
+    param = match.group(1) or None if match else None
+    return bad_request(f"invalid request body: {error}", param)
+
+
+def from_engine_error(error: Exception, param_names: tuple[str, ...] = ()) -> APIError | None:
+    """Map an exception raised by `engine.generate`/`engine.chat` at submit time; None if not ours.
+
+    The engine already counted its own rejections, so these carry no `reject_reason`.
+    """
+    # Most specific first: the scheduler's rejection errors may subclass ValueError.
+    if isinstance(error, QueueFullError):
+        return APIError(429, f"server is busy: {error}", code="queue_full")
+    if isinstance(error, EngineDrainingError):
+        return APIError(503, "server is shutting down and accepts no new requests", code="draining")
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"engine is unhealthy: {error}", code="unhealthy")
+    if isinstance(error, EngineNotRunningError):
+        return APIError(503, "model is loading; retry shortly", code="loading")
+    if isinstance(error, DuplicateRequestError):
+        return APIError(400, str(error), code="duplicate_request_id")
+    if isinstance(error, RequestRejectedError) and ("max_model_len" in str(error) or "KV blocks" in str(error)):
+        return APIError(400, str(error), code="context_length_exceeded")
+    if isinstance(error, (ValueError, TypeError)):  # incl. other RequestRejectedErrors
+        message = str(error)
+        return APIError(400, message, param=guess_param(message, param_names))
+    return None
+
+
+def guess_param(message: str, param_names: tuple[str, ...]) -> str | None:
+    """The first request field named in a validation message (SamplingParams names its field)."""
+    for name in sorted(param_names, key=len, reverse=True):
+        if re.search(rf"\b{re.escape(name)}\b", message):
+            return name
+    return None

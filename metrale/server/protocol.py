@@ -1,0 +1,194 @@
+"""OpenAI request bodies (msgspec Structs) and their translation into engine arguments.
+
+Unknown fields are ignored, as OpenAI clients send many; fields metrale does not implement are
+refused with a 400 naming them, never silently dropped. Non-OpenAI sampling knobs (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output) are read
+from the top level, where the openai client's `extra_body` puts them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+import msgspec
+
+from metrale.sampling_params import SamplingParams
+from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Int64 = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: str | list[Any]
+    max_tokens: Int64 | None = 16
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Int64 | None = None
+    logprobs: Int64 | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    tools: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+_PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+                "include_stop_str_in_output", "skip_special_tokens")
+PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
+                              "prompt", "messages", "n", "model")
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Parse a JSON body into `kind`; a 400 with the offending field on any error."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as error:  # ValidationError is a DecodeError
+        raise from_decode_error(error) from error
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request: a string or a list of token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
+            raise bad_request("prompt must be a string or a list of token ids; batched prompts are not "
+                              "supported, send one request per prompt", "prompt")
+    if not prompt:
+        raise bad_request("prompt is empty", "prompt")
+    return prompt
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as plain dicts for `engine.chat`, which checks roles and content parts."""
+    if not request.messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    return msgspec.to_builtins(request.messages)
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest,
+                    default_max_tokens: int) -> SamplingParams:
+    """Validate and translate the sampling fields; a 400 naming the field on any bad value.
+
+    `default_max_tokens` applies to chat requests that set neither max_tokens nor
+    max_completion_tokens (completions default to OpenAI's 16).
+    """
+    _refuse_unsupported(request)
+    kwargs: dict[str, Any] = {}
+    for name in _PASSTHROUGH:
+        value = getattr(request, name)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value}", name)
+        kwargs[name] = value
+    if request.stop is not None:
+        kwargs["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
+            else request.max_tokens
+        kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
+    elif request.max_tokens is not None:
+        kwargs["max_tokens"] = request.max_tokens
+    logprobs = _logprobs(request)
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise bad_request(str(error), guess_param(str(error), tuple(kwargs))) from error
+
+
+def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(request, ChatCompletionRequest):
+        if not request.logprobs:
+            if request.top_logprobs:
+                raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
+            return None
+        return request.top_logprobs or 0
+    return request.logprobs
+
+
+def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    if request.n != 1:
+        raise bad_request(f"n must be 1 (parallel sampling is not supported), got {request.n}", "n")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise bad_request("echo is not supported", "echo")
+        if request.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if request.best_of not in (None, 1):
+            raise bad_request("best_of is not supported", "best_of")
+    else:
+        if request.tools:
+            raise bad_request("tools are not supported", "tools")
+        if request.response_format is not None and request.response_format.type != "text":
+            raise bad_request("response_format other than text is not supported", "response_format")
+
+
+def model_or_404(requested: str | None, served: str) -> str:
+    """The model name to report; a 404 when the request names a model this server does not serve."""
+    if requested is None or requested == served:
+        return served
+    raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
+                   param="model", code="model_not_found", reject_reason="invalid_request")

@@ -1,0 +1,170 @@
+"""Unit-test doubles: a scripted engine behind the real RequestStream, and an in-process ASGI client.
+
+Used only for response-shape and error-mapping tests; the behaviour tests run the real engine in a
+real `metrale serve` process (test_openai_client.py and friends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from metrale.chat_template import validate_messages
+from metrale.errors import EngineDrainingError, RequestRejectedError
+from metrale.metrics import EngineMetrics
+from metrale.outputs import RequestOutput
+from metrale.sampling_params import SamplingParams
+from metrale.stream import OutputChannel, RequestStream
+
+
+class FakeTokenizer:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+class FakeEngine:
+    """Emits `words` (one per 'step', `step_s` apart) up to max_tokens, then finishes with "length".
+
+    `fail_after` makes a request fail after that many tokens; `reject` makes submission raise.
+    """
+
+    def __init__(self, words: tuple[str, ...] = ("Hello", " world", "!", " How", " are", " you"),
+                 step_s: float = 0.0, max_model_len: int = 64) -> None:
+        self.words = words
+        self.step_s = step_s
+        self.max_model_len = max_model_len
+        self.model_name = "fake-model"
+        self.registry = CollectorRegistry()
+        self.metrics = EngineMetrics(self.registry, model_name=self.model_name)
+        self.tokenizer = FakeTokenizer()
+        self.state = "serving"
+        self.fail_after: int | None = None
+        self.reject: Exception | None = None
+        self.submitted: list[tuple[Any, SamplingParams]] = []
+        self.aborted: list[str] = []
+        self.live: dict[str, asyncio.Task] = {}
+
+    def health(self) -> str:
+        return self.state
+
+    def generate(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        if self.state == "draining":
+            raise EngineDrainingError("draining")
+        if self.reject is not None:
+            raise self.reject
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        if n_prompt + params.max_tokens > self.max_model_len:
+            raise RequestRejectedError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
+                                       f"exceeds max_model_len ({self.max_model_len})")
+        self.submitted.append((prompt, params))
+        channel = OutputChannel(request_id)
+        self.live[request_id] = asyncio.get_running_loop().create_task(self._run(channel, params, n_prompt))
+        return RequestStream(channel, self.abort)
+
+    def chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        checked = validate_messages(messages)  # the real engine's check
+        return self.generate(" ".join(m["content"] for m in checked), params, request_id)
+
+    def abort(self, request_id: str) -> bool:
+        task = self.live.pop(request_id, None)
+        if task is None:
+            return False
+        self.aborted.append(request_id)
+        task.cancel()
+        return True
+
+    async def _run(self, channel: OutputChannel, params: SamplingParams, n_prompt: int) -> None:
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(self.step_s)
+                if self.fail_after is not None and i == self.fail_after:
+                    channel.put(_out(channel, [], "", "error", n_prompt, i), error=RuntimeError("boom"))
+                    return
+                last = i == params.max_tokens - 1
+                channel.put(_out(channel, [i], self.words[i % len(self.words)], "length" if last else None,
+                                 n_prompt, i + 1))
+        except asyncio.CancelledError:
+            channel.put(_out(channel, [], "", "abort", n_prompt, 0))
+            raise
+        finally:
+            self.live.pop(channel.request_id, None)
+
+    async def drain(self, timeout_s: float) -> None:
+        self.state = "draining"
+
+    async def start(self) -> None:
+        self.state = "serving"
+
+    async def shutdown(self) -> None:
+        self.state = "stopped"
+
+
+def _out(channel: OutputChannel, ids: list[int], text: str, finish: str | None, n_prompt: int,
+         n_out: int) -> RequestOutput:
+    return RequestOutput(request_id=channel.request_id, token_ids=ids, text=text, finish_reason=finish,
+                         num_prompt_tokens=n_prompt, num_output_tokens=n_out)
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    chunks: list[bytes] = field(default_factory=list)
+
+    def json(self) -> Any:
+        return msgspec.json.decode(self.body)
+
+    def events(self) -> list[Any]:
+        """SSE `data:` payloads in order; "[DONE]" stays a string."""
+        out = []
+        for event in self.body.decode().split("\n\n"):
+            if event:
+                assert event.startswith("data: "), event
+                data = event[len("data: "):]
+                out.append(data if data == "[DONE]" else msgspec.json.decode(data))
+        return out
+
+
+async def call(app: Any, method: str, path: str, body: Any = b"", headers: dict[str, str] | None = None,
+               disconnect_after_chunks: int | None = None, disconnect_after_s: float | None = None) -> Response:
+    """One HTTP exchange with an ASGI app, optionally disconnecting mid-response."""
+    raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    scope = {"type": "http", "method": method, "path": path, "headers":
+             [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+             + [(b"content-length", str(len(raw)).encode())]}
+    sent_body = False
+    gone = asyncio.Event()
+    response = Response(0, {})
+
+    async def receive() -> dict:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        if disconnect_after_s is not None:
+            try:
+                await asyncio.wait_for(gone.wait(), disconnect_after_s)
+            except TimeoutError:
+                gone.set()  # the client leaves
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            response.status = message["status"]
+            response.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            response.chunks.append(message.get("body", b""))
+            response.body += message.get("body", b"")
+            if disconnect_after_chunks is not None and len(response.chunks) >= disconnect_after_chunks:
+                gone.set()
+            if not message.get("more_body", False):
+                gone.set()  # response complete: receive() reports the end, as uvicorn does
+
+    await app(scope, receive, send)
+    return response

@@ -1,0 +1,201 @@
+"""ServerApp response shapes and error mapping, in-process over ASGI with a scripted engine.
+
+Behaviour against the real engine is in test_openai_client.py and the other real-server tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from metrale.errors import QueueFullError
+from metrale.server.app import ServerApp
+from tests.server.fakes import FakeEngine, call
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi there"}]
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def app(engine: FakeEngine) -> ServerApp:
+    return ServerApp(engine, manage_engine=False)
+
+
+async def test_completion_shape(app):
+    r = await call(app, "POST", COMPLETIONS, {"model": "fake-model", "prompt": "a b c", "max_tokens": 3})
+    assert r.status == 200 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == "fake-model" and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": "Hello world!", "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+async def test_completion_stream_shape(app):
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "a b", "max_tokens": 3, "stream": True,
+                                               "stream_options": {"include_usage": True}})
+    assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
+    *chunks, usage, done = r.events()
+    assert done == "[DONE]"
+    assert {(c["id"], c["created"], c["object"]) for c in chunks + [usage]} == \
+        {(chunks[0]["id"], chunks[0]["created"], "text_completion")}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello world!"
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert all(c["usage"] is None for c in chunks)
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
+                                                         "total_tokens": 5}
+
+
+async def test_chat_shapes(app):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 2})
+    body = r.json()
+    assert r.status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 2, "stream": True})
+    *chunks, done = r.events()
+    assert done == "[DONE]" and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello world"
+    assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert "usage" not in chunks[0]  # only with include_usage
+
+
+async def test_chat_default_max_tokens_and_content_parts(engine):
+    app = ServerApp(engine, manage_engine=False, default_max_tokens=4)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}]
+    r = await call(app, "POST", CHAT, {"messages": parts})
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert engine.submitted[-1][1].max_tokens == 4
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_completion_tokens": 1, "max_tokens": 3})
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+async def test_extra_sampling_fields_reach_sampling_params(app, engine):
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "top_k": 5, "min_p": 0.1, "seed": 7,
+            "stop": "x", "repetition_penalty": 1.1, "ignore_eos": True, "user": "ignored", "unknown": 1}
+    assert (await call(app, "POST", COMPLETIONS, body)).status == 200
+    prompt, params = engine.submitted[-1]
+    assert prompt == [1, 2, 3]
+    assert (params.temperature, params.top_k, params.min_p, params.seed, params.stop, params.ignore_eos) == \
+        (0.0, 5, 0.1, 7, ("x",), True)
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    (COMPLETIONS, b"{not json", 400, None),
+    (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None),
+    (COMPLETIONS, b"[1, 2]", 400, None),
+    (COMPLETIONS, {"max_tokens": 3}, 400, None),  # prompt missing
+    (COMPLETIONS, {"prompt": "a", "max_tokens": "3"}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "a", "temperature": 3.5}, 400, "temperature"),
+    (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    (COMPLETIONS, {"prompt": "a", "seed": 2**70}, 400, "seed"),
+    (COMPLETIONS, {"prompt": "a", "n": 2}, 400, "n"),
+    (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "a", "model": "other"}, 404, "model"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": [123]}, 400, "messages[0]"),
+    (CHAT, {"messages": [{}]}, 400, "messages[0]"),
+    (CHAT, {"messages": [{"role": 123}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+])
+async def test_bad_requests_are_openai_errors(app, engine, path, body, status, param):
+    r = await call(app, "POST", path, body)
+    assert r.status == status, r.body
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert engine.submitted == [] and engine.live == {}
+
+
+async def test_server_side_rejections_are_counted(app, engine):
+    await call(app, "POST", COMPLETIONS, b"{")
+    await call(app, "POST", COMPLETIONS, {"prompt": "a", "model": "nope"})
+    assert engine.registry.get_sample_value("metrale_requests_rejected_total",
+                                            {"model_name": "fake-model", "reason": "invalid_request"}) == 2
+
+
+async def test_too_long_prompt_names_the_limit(app):
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "a " * 70, "max_tokens": 1})
+    assert r.status == 400 and "max_model_len (64)" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_queue_full_is_429_and_draining_503(app, engine):
+    engine.reject = QueueFullError("waiting queue is full (1)")
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "a"})
+    assert r.status == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    engine.reject = None
+    engine.state = "draining"
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES})
+    assert r.status == 503 and r.json()["error"]["code"] == "draining"
+    assert (await call(app, "GET", "/health")).status == 503
+
+
+async def test_body_limit_is_413(engine):
+    app = ServerApp(engine, manage_engine=False, max_body_bytes=100)
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "x" * 200})
+    assert r.status == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+async def test_api_key(engine):
+    app = ServerApp(engine, manage_engine=False, api_key="sekret")
+    assert (await call(app, "POST", COMPLETIONS, {"prompt": "a"})).status == 401
+    r = await call(app, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert (await call(app, "GET", "/v1/models", headers={"Authorization": "Bearer sekret"})).status == 200
+    assert (await call(app, "GET", "/health")).status == 200
+    assert (await call(app, "GET", "/metrics")).status == 200
+
+
+async def test_routes(app):
+    models = (await call(app, "GET", "/v1/models")).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
+    assert (await call(app, "GET", "/v1/models/fake-model")).json()["max_model_len"] == 64
+    assert (await call(app, "GET", "/v1/models/x")).status == 404
+    assert (await call(app, "GET", "/nope")).status == 404
+    assert (await call(app, "GET", COMPLETIONS)).status == 405
+    assert (await call(app, "POST", "/health")).status == 405
+    health = await call(app, "GET", "/health")
+    assert health.status == 200 and health.json() == {"status": "serving"}
+    metrics = await call(app, "GET", "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert b'metrale_requests_running{model_name="fake-model"} 0.0' in metrics.body
+
+
+async def test_failure_mid_stream_is_an_error_event_then_done(app, engine):
+    engine.fail_after = 2
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "a", "max_tokens": 5, "stream": True})
+    *chunks, error, done = r.events()
+    assert r.status == 200 and done == "[DONE]" and len(chunks) == 2
+    assert error["error"]["type"] == "internal_error" and "boom" in error["error"]["message"]
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "a", "max_tokens": 5})
+    assert r.status == 500 and "boom" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_aborts_the_request(engine, stream):
+    engine.step_s = 0.01
+    app = ServerApp(engine, manage_engine=False)
+    body = {"prompt": "a", "max_tokens": 60, "stream": stream}
+    if stream:
+        r = await call(app, "POST", COMPLETIONS, body, disconnect_after_chunks=3)
+    else:
+        r = await call(app, "POST", COMPLETIONS, body, disconnect_after_s=0.05)
+        assert r.status == 0  # nothing was sent
+    await asyncio.sleep(0)
+    assert len(engine.aborted) == 1 and engine.live == {}

@@ -1,0 +1,48 @@
+"""`metrale serve` flags: they parse, map onto EngineConfig, and the lead's `metrale` command has them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from metrale.config import EngineConfig
+from metrale.server.cli import add_serve_parser, engine_config
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults_are_the_engine_defaults_on_loopback():
+    args = _parse()
+    assert engine_config(args) == EngineConfig()
+    assert (args.host, args.port, args.api_key, args.shutdown_timeout) == ("127.0.0.1", 8000, None, 30.0)
+    assert callable(args.func)
+
+
+def test_flags_map_onto_engine_config():
+    args = _parse("--model", "m.gguf", "--max-num-seqs", "1", "--max-waiting", "2", "--max-model-len", "256",
+                  "--kv-cache-mib", "64", "--no-prefix-caching", "--api-key", "k", "--port", "9000")
+    config = engine_config(args)
+    assert (config.model, config.max_num_seqs, config.max_waiting, config.max_model_len) == ("m.gguf", 1, 2, 256)
+    assert config.kv_cache_bytes == 64 << 20 and config.enable_prefix_caching is False
+    assert (args.api_key, args.port) == ("k", 9000)
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("METRALE_API_KEY", "from-env")
+    assert _parse().api_key == "from-env"
+
+
+def test_bad_engine_values_are_refused():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine_config(_parse("--max-num-seqs", "0"))
+
+
+def test_the_metrale_command_has_serve():
+    from metrale.cli import build_parser
+    args = build_parser().parse_args(["serve", "--port", "1234"])
+    assert args.command == "serve" and args.port == 1234
