@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Iterator
 
@@ -132,7 +133,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the server until it is drained by a signal; returns the process exit code."""
+    """Run the server until it is drained by a signal, then end the process with its exit code."""
     metrale_logger = logging.getLogger("metrale")
     if metrale_logger.getEffectiveLevel() > logging.INFO:
         metrale_logger.setLevel(logging.INFO)  # a server logs its lifecycle
@@ -152,7 +153,13 @@ def run_serve(args: argparse.Namespace) -> int:
     server = DrainingServer(config, app, args.shutdown_timeout)
     app.on_fatal = server.fail
     server.run()
-    return server.exit_code
+    # The engine is shut down and every request has ended. Exit without running C++ static
+    # destructors: about 1 run in 20, a native thread torn down at interpreter exit aborted the
+    # process ("terminate called without an active exception", SIGABRT) after a clean drain.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(server.exit_code)
 
 
 def serve_main(argv: list[str] | None = None) -> int:
