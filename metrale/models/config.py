@@ -12,6 +12,20 @@ from collections.abc import Mapping
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+# Hugging Face's defaults for keys a gemma3 config.json may leave out (Gemma3TextConfig): the
+# multimodal checkpoints' text_config is sparse (4B lists only a handful of keys).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+        "max_position_embeddings": 131072, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+    },
+}
+_HF_DEFAULTS["gemma3"] = _HF_DEFAULTS["gemma3_text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +75,14 @@ class ModelConfig:
     `architecture` names the model class in `metrale.models.MODEL_ARCHITECTURES`. `head_dim`
     defaults to hidden_size // num_attention_heads when left at 0. `rope_traditional` selects
     interleaved (GPT-J) RoPE; loaders give weights in the half-split (Hugging Face) layout, so
-    it is normally False. `sliding_window` (Mistral) limits attention to the last `window`
-    positions on every layer.
+    it is normally False.
+
+    Sliding windows: with `layer_types` None, `sliding_window` (Mistral) limits attention to the
+    last `window` positions on every layer; with `layer_types` (one "full_attention" or
+    "sliding_attention" per layer, gemma3) only the sliding layers are limited, and they rotate
+    with base `rope_local_theta` (unscaled) when it is set. `query_pre_attn_scalar` sets the
+    attention scale to its inverse square root (default head_dim ** -0.5).
+    `final_logit_softcapping` c maps logits to c * tanh(logits / c).
     """
 
     architecture: str
@@ -83,6 +103,11 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -121,36 +146,106 @@ class ModelConfig:
                 raise ValueError("give rope_scaling or rope_freq_factors, not both")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        self._check_layers_and_extras()
+
+    def _check_layers_and_extras(self) -> None:
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+                )
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types {unknown} are not supported; supported: {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be None or > 0, got {value}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden activation {self.hidden_act!r} is not supported; supported: {HIDDEN_ACTS}")
+
+    def is_sliding_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` attends over a sliding window."""
+        if self.layer_types is None:
+            return self.sliding_window is not None
+        return self.layer_types[layer_index] == "sliding_attention"
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The attention window of layer `layer_index`, or None for full attention."""
+        return self.sliding_window if self.is_sliding_layer(layer_index) else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention scores: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf_dict(cls, config: Mapping[str, Any], architecture: str | None = None) -> ModelConfig:
         """Build from a Hugging Face / mlx-lm `config.json` mapping (unknown keys are ignored).
 
-        RoPE settings come from `rope_theta` / `rope_scaling`, or from the newer `rope_parameters`."""
-        rope = dict(config.get("rope_parameters") or {})
-        rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-        rope_scaling = rope if rope else config.get("rope_scaling")
+        RoPE settings come from `rope_theta` / `rope_scaling`, or from the newer `rope_parameters`
+        (flat, or one entry per layer type as gemma3 writes it). A window is dropped when
+        `use_sliding_window` is false (Qwen); gemma3's `sliding_window_pattern` becomes `layer_types`.
+        Keys a gemma3 config leaves out take Hugging Face's defaults."""
+        config = {**_HF_DEFAULTS.get(config.get("model_type", ""), {}), **config}
+        if config.get("attn_logit_softcapping") is not None:
+            raise ValueError("attn_logit_softcapping (Gemma 2) is not supported")
         try:
-            hidden = config["hidden_size"]
             heads = config["num_attention_heads"]
             return cls(
                 architecture=architecture or config["model_type"],
                 vocab_size=config["vocab_size"],
-                hidden_size=hidden,
+                hidden_size=config["hidden_size"],
                 num_hidden_layers=config["num_hidden_layers"],
                 num_attention_heads=heads,
                 num_key_value_heads=config.get("num_key_value_heads") or heads,
                 intermediate_size=config["intermediate_size"],
                 head_dim=config.get("head_dim") or 0,
                 rms_norm_eps=config.get("rms_norm_eps", 1e-5),
-                rope_theta=rope_theta,
                 rope_traditional=config.get("rope_traditional", False),
-                rope_scaling=RopeScaling.from_hf_dict(rope_scaling),
                 max_position_embeddings=config.get("max_position_embeddings") or 4096,
                 tie_word_embeddings=config.get("tie_word_embeddings", False),
                 attention_bias=config.get("attention_bias", False),
                 mlp_bias=config.get("mlp_bias", False),
-                sliding_window=config.get("sliding_window"),
+                query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+                final_logit_softcapping=config.get("final_logit_softcapping"),
+                hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "silu",
+                **_hf_rope(config),
+                **_hf_windows(config),
             )
         except KeyError as e:
             raise ValueError(f"model config is missing required key {e.args[0]!r}") from None
+
+
+def _hf_rope(config: Mapping[str, Any]) -> dict[str, Any]:
+    """rope_theta, rope_scaling and rope_local_theta from a config.json mapping."""
+    rope = dict(config.get("rope_parameters") or {})
+    local = config.get("rope_local_base_freq")
+    if "full_attention" in rope:  # per layer type: {"full_attention": {...}, "sliding_attention": {...}}
+        sliding = dict(rope.get("sliding_attention") or {})
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError(f"scaled RoPE on sliding layers ({sliding['rope_type']!r}) is not supported")
+        local = sliding.get("rope_theta", local)
+        rope = dict(rope["full_attention"])
+    theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+    scaling = rope if rope else config.get("rope_scaling")
+    return {"rope_theta": theta, "rope_scaling": RopeScaling.from_hf_dict(scaling), "rope_local_theta": local}
+
+
+def _hf_windows(config: Mapping[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types from a config.json mapping."""
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types")
+    num_layers = config["num_hidden_layers"]
+    if config.get("use_sliding_window") is False:  # Qwen: the window is written down but off
+        return {"sliding_window": None, "layer_types": None}
+    if config.get("use_sliding_window") and layer_types is None:  # Qwen: the layers from max_window_layers
+        first = config.get("max_window_layers", 0)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    pattern = config.get("sliding_window_pattern")
+    if layer_types is None and pattern:  # gemma3: every pattern-th layer is global
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    return {"sliding_window": window, "layer_types": None if layer_types is None else tuple(layer_types)}

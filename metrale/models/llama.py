@@ -1,4 +1,5 @@
-"""The llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral) for flat variable-length batches.
+"""The llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral) for flat variable-length batches,
+and the building blocks qwen2, qwen3 and gemma3 subclass.
 
 One forward takes every scheduled token of every sequence at once (see docs/internals.md,
 "the step's arrays"):
@@ -26,23 +27,45 @@ from metrale.models.config import ModelConfig  # noqa: E402
 from metrale.models.rope import FlatRope  # noqa: E402
 
 
-class LlamaAttention(nn.Module):
-    """Grouped-query self-attention of one layer over the paged cache."""
+ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_pytorch_tanh": nn.gelu_approx}
 
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention of one layer over the paged cache.
+
+    Subclasses pick the projection biases (`qkv_bias`, `out_bias`; default: the config's
+    attention_bias) and a per-head norm of q and k before RoPE (`qk_norm`: a norm class built as
+    `qk_norm(head_dim, eps=...)`, qwen3 and gemma3). The window, the RoPE base and the scale come
+    from the config, per layer."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        *,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        qk_norm: type[nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
-        dim, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
-        self._rope = FlatRope(config)
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_sliding_window(layer_index)
+        dim = config.hidden_size
+        qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
+        out_bias = config.attention_bias if out_bias is None else out_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=out_bias)
+        self.use_qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = qk_norm(self.head_dim, eps=config.rms_norm_eps)
+        self._rope = FlatRope(config, local=config.is_sliding_layer(layer_index))
 
     def __call__(
         self, x: mx.array, positions: mx.array, kv_cache: PagedKVCache, metadata: AttentionMetadata
@@ -52,6 +75,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).reshape(num_tokens, self.n_heads, self.head_dim)  # (T, n_heads, head_dim)
         k = self.k_proj(x).reshape(num_tokens, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         v = self.v_proj(x).reshape(num_tokens, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head normalized over head_dim
         q = self._rope(q, positions)  # (T, n_heads, head_dim)
         k = self._rope(k, positions)  # (T, n_kv_heads, head_dim)
         # each pool (num_slots, n_kv_heads, head_dim), already holding this step's K/V
@@ -62,7 +87,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act from config.hidden_act (SwiGLU for silu,
+    GeGLU for gemma's gelu_pytorch_tanh)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -70,21 +96,24 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self._act = ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x: mx.array) -> mx.array:
         """x (T, D) -> (T, D)."""
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, D)
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))  # (T, D)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP. Subclasses may swap `norm_class`."""
 
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    norm_class: type[nn.Module] = nn.RMSNorm
+
+    def __init__(self, config: ModelConfig, layer_index: int, attention_class: type[LlamaAttention]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index)
+        self.self_attn = attention_class(config, layer_index)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(
         self, x: mx.array, positions: mx.array, kv_cache: PagedKVCache, metadata: AttentionMetadata
@@ -95,19 +124,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding, decoder layers and the final norm. Subclasses may swap `layer_class`,
+    `norm_class` and `embed`."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_class: type[nn.Module] = nn.RMSNorm
+
+    def __init__(self, config: ModelConfig, attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = [self.layer_class(config, i, attention_class) for i in range(config.num_hidden_layers)]
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """token_ids (T,) -> input hidden states (T, D)."""
+        return self.embed_tokens(token_ids)  # (T, D)
 
     def __call__(
         self, token_ids: mx.array, positions: mx.array, kv_cache: PagedKVCache, metadata: AttentionMetadata
     ) -> mx.array:
         """token_ids (T,), positions (T,) -> normed hidden states (T, D)."""
-        h = self.embed_tokens(token_ids)  # (T, D)
+        h = self.embed(token_ids)  # (T, D)
         for layer in self.layers:
             h = layer(h, positions, kv_cache, metadata)  # (T, D)
         return self.norm(h)  # (T, D)
@@ -120,12 +157,17 @@ class LlamaForCausalLM(nn.Module):
     `kv_cache` is a `kvcache.storage.PagedKVCache`: its `write(layer, k, v, slot_mapping)` returns
     the layer's updated (k_pool, v_pool), which attention then reads; `attn_metadata` is the step's
     `kvcache.attention.AttentionMetadata`, built once and shared by every layer.
+
+    Other families subclass it and swap `model_class` and `attention_class` (qwen2, qwen3, gemma3).
     """
+
+    model_class: type[LlamaModel] = LlamaModel
+    attention_class: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_class(config, self.attention_class)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

@@ -39,16 +39,21 @@ def llama3_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> mx.a
 
 
 class FlatRope:
-    """RoPE over (T, n_heads, head_dim) with a position per token. Holds no trainable weights."""
+    """RoPE over (T, n_heads, head_dim) with a position per token. Holds no trainable weights.
 
-    def __init__(self, config: ModelConfig) -> None:
+    `local=True` is for a sliding-window layer: when the config has `rope_local_theta` (gemma3),
+    such a layer rotates with that base and without scaling."""
+
+    def __init__(self, config: ModelConfig, *, local: bool = False) -> None:
         self.dims = config.head_dim
         self.traditional = config.rope_traditional
         self.scale = 1.0
         self.base: float | None = config.rope_theta
         self.freqs: mx.array | None = None  # (head_dim // 2,) when set
         scaling = config.rope_scaling
-        if scaling is not None and scaling.rope_type == "linear":
+        if local and config.rope_local_theta is not None:
+            self.base = config.rope_local_theta
+        elif scaling is not None and scaling.rope_type == "linear":
             self.scale = 1.0 / scaling.factor
         elif scaling is not None and scaling.rope_type == "llama3":
             self.freqs = llama3_frequencies(config.head_dim, config.rope_theta, scaling)

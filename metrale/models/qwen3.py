@@ -1,0 +1,26 @@
+"""Qwen3 (dense): the llama architecture with an RMSNorm over each head of q and k before RoPE
+(`self_attn.q_norm` / `self_attn.k_norm`, weights of shape (head_dim,)), and explicit head_dim."""
+
+from __future__ import annotations
+
+from kvcache.blas import preload_openblas
+
+preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
+
+import mlx.nn as nn  # noqa: E402
+
+from metrale.models.config import ModelConfig  # noqa: E402
+from metrale.models.llama import LlamaAttention, LlamaForCausalLM  # noqa: E402
+
+
+class Qwen3Attention(LlamaAttention):
+    """Llama attention with per-head q/k RMSNorm; biases as config.attention_bias says."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__(config, layer_index, qk_norm=nn.RMSNorm)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """A Qwen3 causal LM for the runner (the contract of `LlamaForCausalLM`)."""
+
+    attention_class = Qwen3Attention
