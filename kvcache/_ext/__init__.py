@@ -1,4 +1,5 @@
-"""Optional C++ attention kernels for kvcache (an MLX extension); without them the reference runs.
+"""Optional C++ CPU kernels for kvcache (an MLX extension): paged decode attention, causal softmax
+and fused gated activations (SwiGLU / GeGLU); without them the plain-MLX reference runs.
 
 Build with `python -m kvcache._ext.build` (it writes kvcache/_ext/_kernels*.so, ignored by
 git). `load()` returns the compiled module, or None when it is not built, fails to load, or was
@@ -81,3 +82,17 @@ def causal_softmax(scores, *, offset, window):
     """Softmax of scores (..., q_len, L) float32 for each query row i over the keys j with
     j <= i + offset (and j > i + offset - window when window > 0); 0 elsewhere. Needs load()."""
     return _module().causal_softmax(scores, offset=int(offset), window=int(window))
+
+
+def silu_mul(gate, up):
+    """gate * sigmoid(gate) * up in one vectorized pass (kvcache/_ext/activations.cpp).
+
+    gate, up: the same shape and dtype, float32|float16|bfloat16 (half types computed in float32);
+    returns that shape and dtype, ValueError otherwise. CPU stream. Needs load().
+    """
+    return _module().silu_mul(gate, up)
+
+
+def gelu_tanh_mul(gate, up):
+    """gelu_pytorch_tanh(gate) * up = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up, as silu_mul."""
+    return _module().gelu_tanh_mul(gate, up)

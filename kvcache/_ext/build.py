@@ -1,9 +1,10 @@
-"""Build the CPU attention kernels (paged decode, causal softmax): `python -m kvcache._ext.build [--force]`.
+"""Build the CPU kernels (paged decode, causal softmax, gated activations): `python -m kvcache._ext.build [--force]`.
 
 Needs cmake (>= 3.18), a C++20 compiler and nanobind from PyPI (`pip install nanobind`). Writes
 kvcache/_ext/_kernels*.so (ignored by git) through kvcache/_ext/build/, then checks in a fresh
 interpreter that kvcache._ext.load() accepts it. Exit status 0 on success, 1 with the reason
-otherwise; the engine works without the kernel (reference attention), so setup may ignore a failure.
+otherwise; the engine works without the kernels (reference attention and activations), so setup may
+ignore a failure.
 Set METRALE_NATIVE=0 to build without -march=native (a binary meant for other CPUs).
 """
 
@@ -94,7 +95,7 @@ def check_loads() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build metrale's paged decode attention kernel (optional).")
+    parser = argparse.ArgumentParser(description="Build metrale's CPU attention and activation kernels (optional).")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         so = build(force=args.force)
         check_loads()
     except RuntimeError as exc:
-        print(f"[kvcache._ext] kernel not built, reference attention will be used: {exc}", file=sys.stderr)
+        print(f"[kvcache._ext] kernel not built, reference attention and activations will be used: {exc}",
+              file=sys.stderr)
         return 1
     print(f"[kvcache._ext] ready: {so.relative_to(HERE.parents[1])} ({time.perf_counter() - start:.1f} s)")
     return 0

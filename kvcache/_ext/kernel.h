@@ -8,7 +8,7 @@
 //   slot(t) = table[t / block_size] * block_size + t % block_size, walked block by block
 //   start   = window > 0 ? max(0, ctx - window) : 0
 // Also causal_softmax_row, the masked softmax of prefill chunks (causal_softmax.cpp).
-// Vectors are GCC/Clang vector extensions (8 floats): AVX2/AVX-512 with -march=native, NEON on arm.
+// Vectors, loads and exp8 come from vecmath.h (shared with the activation kernels).
 #pragma once
 
 #include <algorithm>
@@ -18,11 +18,10 @@
 #include <limits>
 #include <type_traits>
 
+#include "vecmath.h"
+
 namespace metrale::kernel {
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-constexpr int kW = 8;
 constexpr int kMaxHeadDim = 256;  // the op rejects larger head_dim (stack buffers below)
 
 struct Dims {
@@ -30,49 +29,6 @@ struct Dims {
   int64_t num_blocks;
   float scale;
 };
-
-template <typename T>
-inline v8f load8(const T* p) {
-  v8f v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else {
-    float tmp[kW];
-    for (int i = 0; i < kW; ++i) tmp[i] = static_cast<float>(p[i]);
-    std::memcpy(&v, tmp, sizeof(v));
-  }
-  return v;
-}
-
-inline void store8(float* p, v8f v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-
-inline float hsum(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-// exp for x <= 0 (scores minus their max): Cephes expf polynomial, ~2 ulp; x < -87 gives ~0.
-inline v8f exp8(v8f x) {
-  const v8f lo = v8f{} - 87.0f;
-  x = x < lo ? lo : x;
-  v8f fx = x * 1.44269504088896341f + 0.5f;  // n = floor(x log2(e) + 1/2), |r| <= ln(2) / 2
-  v8i n = __builtin_convertvector(fx, v8i);  // truncation toward zero ...
-  v8f nf = __builtin_convertvector(n, v8f);
-  n = n + (nf > fx);  // ... made a floor (a true comparison is -1)
-  nf = __builtin_convertvector(n, v8f);
-  v8f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v8f y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  v8i bits = (n + 127) << 23;
-  v8f two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
 
 #ifndef METRALE_PREFETCH_BLOCKS
 #define METRALE_PREFETCH_BLOCKS 2

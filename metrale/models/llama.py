@@ -22,12 +22,12 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
+from kvcache.activations import gated_activation  # noqa: E402
 from kvcache.storage import PagedKVCache  # noqa: E402
 from metrale.models.config import ModelConfig  # noqa: E402
 from metrale.models.rope import FlatRope  # noqa: E402
 
 
-ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_pytorch_tanh": nn.gelu_approx}
 
 
 class LlamaAttention(nn.Module):
@@ -96,11 +96,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
-        self._act = ACTIVATIONS[config.hidden_act]
+        self._act_kind = config.hidden_act
 
     def __call__(self, x: mx.array) -> mx.array:
         """x (T, D) -> (T, D)."""
-        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))  # (T, D)
+        # fused act(gate) * up: one vectorized pass on CPU (MLX's own exp is scalar there)
+        hidden = gated_activation(self.gate_proj(x), self.up_proj(x), self._act_kind)  # (T, intermediate)
+        return self.down_proj(hidden)  # (T, D)
 
 
 class LlamaDecoderLayer(nn.Module):
