@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from metrale.bench.cli import add_bench_parser
 from metrale.server.cli import add_serve_parser
 
 
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--model", default=None, help="GGUF file or model folder (default: SmolLM2-135M-Instruct)")
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
