@@ -36,7 +36,7 @@ async def _one(engine: AsyncEngine, index: int, params: SamplingParams, show: bo
     if show:
         print(f"\n[request {index}] user: {question}\n[request {index}] assistant: ", end="", flush=True)
     async for out in engine.chat([{"role": "user", "content": question}], params):
-        stamps.extend([time.perf_counter()] * max(1, len(out.token_ids)) if out.token_ids else [])
+        stamps.extend([time.perf_counter()] * len(out.token_ids))  # a merged delta: its tokens arrived now
         if show:
             print(out.text, end="", flush=True)
         if out.finish_reason is not None:

@@ -53,8 +53,14 @@ async def test_batch_invariance_greedy(engine):
     assert_clean(engine)
 
 
+def finished_count(engine, reason: str) -> float:
+    labels = {"model_name": engine.metrics.model_name, "finished_reason": reason}
+    return engine.registry.get_sample_value("metrale_request_success_total", labels) or 0.0
+
+
 async def test_forty_streams_ten_cancelled_four_ways(engine):
     max_tokens = 12
+    aborts_before = finished_count(engine, "abort")
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     streams = [engine.generate(PROMPTS[i % len(PROMPTS)] + f" ({i})", params) for i in range(40)]
 
@@ -97,6 +103,8 @@ async def test_forty_streams_ten_cancelled_four_ways(engine):
     for ids, text, finish in results[10:]:
         assert len(ids) == max_tokens and finish == "length"
     await wait_idle(engine)
+    # every one of the 10 ended as an abort (not by running to max_tokens), whichever way it ended
+    assert finished_count(engine, "abort") - aborts_before == 10
     assert_clean(engine)
 
 
