@@ -9,4 +9,4 @@ test:
 bench: setup
 	.venv/bin/python benchmarks/throughput.py
 ext: setup
-	.venv/bin/python -m kvcache._ext.build
+	.venv/bin/python -m kernels.build

@@ -7,7 +7,7 @@ The default shapes are SmolLM2-135M's (intermediate 1536): 32 rows is a decode s
 512 a prefill chunk. Each figure is the wall time of 30 calls (30 layers, distinct inputs), each
 evaluated on its own, in ms: the median over `--repeat` trials and, in parentheses, the fastest
 (the machine is shared). Each call includes mx.eval's own overhead (~10 us; a plain multiply of
-(32, 1536) costs ~12 us). The kernel goes through kvcache.activations.gated_activation (with
+(32, 1536) costs ~12 us). The kernel goes through kernels.activations.gated_activation (with
 METRALE_KERNELS=kernel). METRALE_ATTENTION_THREADS=N sets the kernel's threads (default:
 the CPUs this process may use); inputs below 2^18 elements run on one thread.
 """
@@ -23,14 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcache.blas import preload_openblas  # noqa: E402
-
-preload_openblas()
+import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from kvcache.activations import activation_backend, gated_activation  # noqa: E402
+from kernels.activations import gated_activation
+from kernels.backend import activation_backend  # noqa: E402
 
 CALLS = 30
 MLX_EXPR = {

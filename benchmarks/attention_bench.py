@@ -20,15 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcache.blas import preload_openblas  # noqa: E402
-
-preload_openblas()
+import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvcache import _ext  # noqa: E402
-from kvcache.attention import AttentionMetadata, attention_backend, paged_attention  # noqa: E402
+from kernels import ext as _ext  # noqa: E402
+from kernels.backend import attention_backend
+from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
 from kvcache.storage import PagedKVCache  # noqa: E402
 
 
@@ -122,7 +121,7 @@ def main(argv=None):
 
     has_kernel = _ext.load() is not None
     if args.backend == "kernel" and not has_kernel:
-        p.error("the kernel is not built: python -m kvcache._ext.build")
+        p.error("the kernel is not built: python -m kernels.build")
     backends = ["reference", "kernel"] if args.backend == "both" and has_kernel else [args.backend]
     if args.backend == "both" and not has_kernel:
         backends = ["reference"]

@@ -90,9 +90,7 @@ def run_loads(args: argparse.Namespace) -> dict:
 def quantized_matmul_bench(repeats: int) -> list[dict]:
     """x (T, in) @ W.T for SmolLM2-135M's projection shapes: float32 (OpenBLAS) against MLX's
     quantized_matmul (4-bit, group 64, as mlx-lm writes folders) with bfloat16 and float32 scales."""
-    from kvcache.blas import preload_openblas
-
-    preload_openblas()
+    import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
     import mlx.core as mx
 
     def timed(fn) -> float:

@@ -16,9 +16,7 @@ import json
 import time
 from collections import defaultdict
 
-from kvcache.blas import preload_openblas
-
-preload_openblas()
+import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 import mlx.core as mx  # noqa: E402
 

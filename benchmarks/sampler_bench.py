@@ -22,14 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcache.blas import preload_openblas  # noqa: E402
-
-preload_openblas()
+import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from metrale.sampler import Sampler  # noqa: E402
+from metrale.sampling.sampler import Sampler  # noqa: E402
 from metrale.sampling_params import SamplingParams  # noqa: E402
 
 ALPHA = 1.6
@@ -110,7 +108,7 @@ def decode_step_ms(rows: int, context: int = 128, repeat: int = 5) -> float:
     """Median time of one batch-`rows` decode step (forward + logits) of the default model."""
     from kvcache.attention import AttentionMetadata
     from metrale.config import EngineConfig
-    from metrale.runner import ModelRunner
+    from metrale.engine.runner import ModelRunner
 
     runner = ModelRunner.load(EngineConfig(kv_cache_bytes=256 << 20))
     block_size = runner.kv_cache.block_size

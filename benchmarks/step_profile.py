@@ -12,15 +12,14 @@ import argparse
 import json
 import time
 
-from kvcache.blas import preload_openblas
-
-preload_openblas()
+import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 import mlx.core as mx  # noqa: E402
 
-from kvcache.attention import AttentionMetadata, attention_backend, paged_attention  # noqa: E402
+from kernels.backend import attention_backend
+from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
 from metrale.config import EngineConfig  # noqa: E402
-from metrale.runner import ModelRunner, SamplingRow, StepInput  # noqa: E402
+from metrale.engine.runner import ModelRunner, SamplingRow, StepInput  # noqa: E402
 from metrale.sampling_params import SamplingParams  # noqa: E402
 from scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 

@@ -13,54 +13,75 @@ AttentionMetadata.build runs once per step on plain Python and splits the sequen
 that are never padded to each other: decode rows (query_len == 1, one batched call padded only in
 context length) and prefill chunks (query_len > 1, one call each). Every layer reuses it.
 
-Two paths behind `paged_attention`, chosen by attention_backend() (METRALE_ATTENTION):
+Two paths behind `paged_attention`, chosen once per model load (kernels.backend, METRALE_ATTENTION)
+and carried to every layer by the step's metadata:
   reference  plain MLX: gather the context rows, then mx.fast.scaled_dot_product_attention with a
              boolean mask; runs on every backend.
-  kernel     kvcache/_ext (C++, CPU, optional build): decode rows read K/V straight from the pools
+  kernel     kernels/ (C++, CPU, optional build): decode rows read K/V straight from the pools
              through the block tables; prefill chunks run matmul -> fused causal softmax -> matmul.
 Both are tested against dense attention (tests/kvcache/test_attention.py, test_ext.py).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from kvcache.blas import preload_openblas
+import numpy as np
 
-preload_openblas()
+from kernels import ext
+from kernels.backend import attention_backend
+from kernels.runtime import mx
 
-import mlx.core as mx  # noqa: E402  (after the BLAS preload, on purpose)
-import numpy as np  # noqa: E402
-
-from kvcache import _ext  # noqa: E402
-
-__all__ = ["AttentionMetadata", "BACKENDS", "attention_backend", "paged_attention"]
+__all__ = ["AttentionMetadata", "DecodeRun", "PrefillChunk", "paged_attention"]
 
 
-class _Chunk:
-    """One prefill chunk: its rows in the flat batch and its context."""
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefillChunk:
+    """One sequence with query_len > 1: its rows in the flat batch and its whole context.
 
-    __slots__ = ("row_start", "query_len", "context_len", "slots")
+    rows row_start .. row_start + query_len - 1 hold the queries of positions
+    context_len - query_len .. context_len - 1; `slots` (context_len,) is the pool slot of every
+    context position, in order.
+    """
 
-    def __init__(self, row_start: int, query_len: int, context_len: int, slots: np.ndarray) -> None:
-        self.row_start = row_start
-        self.query_len = query_len
-        self.context_len = context_len
-        self.slots = slots  # (context_len,) pool slot of every context position, in order
+    index: int  # among the step's chunks, in batch order
+    row_start: int
+    query_len: int
+    context_len: int
+    slots: np.ndarray
+
+    @property
+    def first_position(self) -> int:
+        """Position of the chunk's first query."""
+        return self.context_len - self.query_len
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """Consecutive decode sequences of the batch: rows start .. end - 1 of the decode output."""
+
+    start: int
+    end: int
 
 
 class AttentionMetadata:
     """Everything paged attention needs for one step, as MLX arrays built once and shared by all layers.
 
-    Public arrays: slot_mapping (T,) int32, positions (T,) int32; decode_block_tables
-    (B, max_blocks) int32 and decode_context_lens (B,) int32 for the B decode rows. Per-window
-    gather indices and masks are made on first use and cached (gemma-style models use two windows).
+    Arrays: positions (T,) int32 and slot_mapping (T,) int32 of every row; for the B decode rows
+    (query_len == 1, in batch order) decode_block_tables (B, max_blocks) int32 and
+    decode_context_lens (B,) int32. `chunks` are the prefill chunks; `output_order` lists the
+    pieces of the output in batch order (DecodeRun or PrefillChunk). Gather indices and masks per
+    window are made on first use and cached (gemma-style models use two windows). `backend` is the
+    attention implementation the runner chose at load ("kernel" | "reference"); None decides on
+    every call from METRALE_ATTENTION (tests).
     """
 
-    def __init__(self, query_lens, context_lens, block_tables, block_size) -> None:
+    def __init__(self, query_lens, context_lens, block_tables, block_size, backend=None) -> None:
         """Use `AttentionMetadata.build`; this constructor expects already validated inputs."""
         self.block_size = block_size
+        self.backend = backend
         self.query_lens = tuple(query_lens)
         self.context_lens = tuple(context_lens)
         self.num_seqs = len(self.query_lens)
@@ -70,7 +91,7 @@ class AttentionMetadata:
         tables = [np.asarray(bt, dtype=np.int64) for bt in block_tables]  # each (num_blocks_s,)
         self.max_block_id = max(int(t[: -(-ctx // block_size)].max()) for t, ctx in zip(tables, self.context_lens))
 
-        positions, slots, decode, self._chunks = [], [], [], []
+        positions, slots, decode, chunks = [], [], [], []
         for s, (qlen, ctx, table) in enumerate(zip(self.query_lens, self.context_lens, tables)):
             pos = np.arange(ctx - qlen, ctx, dtype=np.int64)  # (qlen,)
             positions.append(pos)
@@ -80,43 +101,46 @@ class AttentionMetadata:
             else:
                 ctx_pos = np.arange(ctx, dtype=np.int64)  # (ctx,)
                 ctx_slots = table[ctx_pos // block_size] * block_size + ctx_pos % block_size
-                self._chunks.append(_Chunk(self.query_starts[s], qlen, ctx, ctx_slots))
+                chunks.append(PrefillChunk(len(chunks), self.query_starts[s], qlen, ctx, ctx_slots))
+        self.chunks: tuple[PrefillChunk, ...] = tuple(chunks)
         self.positions = mx.array(np.concatenate(positions).astype(np.int32))  # (T,)
         self.slot_mapping = mx.array(np.concatenate(slots).astype(np.int32))  # (T,)
         self._init_decode(decode, tables)
-        self._init_pieces()
-        self._memo: dict[tuple, object] = {}
+        self.output_order = self._output_order()
+        self._cache: dict[tuple, Any] = {}
 
     def _init_decode(self, decode: list[int], tables: list[np.ndarray]) -> None:
         """The decode group (query_len == 1), in batch order; rows are sliced when contiguous."""
         self.num_decode = len(decode)
         rows = [self.query_starts[s] for s in decode]
         contiguous = bool(rows) and rows[-1] - rows[0] == len(rows) - 1
-        self._decode_slice = (rows[0], rows[-1] + 1) if contiguous else None
-        self._decode_rows = None if contiguous or not rows else mx.array(np.asarray(rows, dtype=np.int32))  # (B,)
-        self._decode_ctx = np.asarray([self.context_lens[s] for s in decode], dtype=np.int64)  # (B,)
+        # the decode rows of the flat batch: a slice (first, end) when contiguous, else an index array
+        self.decode_slice = (rows[0], rows[-1] + 1) if contiguous else None
+        self.decode_rows = None if contiguous or not rows else mx.array(np.asarray(rows, dtype=np.int32))  # (B,)
+        self.decode_context_lens_np = np.asarray([self.context_lens[s] for s in decode], dtype=np.int64)  # (B,)
         width = max((len(tables[s]) for s in decode), default=0)
         padded = np.zeros((len(decode), max(width, 1)), dtype=np.int32)  # (B, max_blocks), 0-padded
         for i, s in enumerate(decode):
             padded[i, : len(tables[s])] = tables[s]
-        self._decode_tables_np = padded
+        self.decode_block_tables_np = padded
         self.decode_block_tables = mx.array(padded)  # (B, max_blocks)
-        self.decode_context_lens = mx.array(self._decode_ctx.astype(np.int32))  # (B,)
+        self.decode_context_lens = mx.array(self.decode_context_lens_np.astype(np.int32))  # (B,)
 
-    def _init_pieces(self) -> None:
-        """Output order: runs of consecutive decode sequences become slices of the decode output."""
-        self._pieces: list[tuple[str, int, int]] = []  # ("decode", i0, i1) | ("chunk", index, 0)
-        decode_index = chunk_index = 0
+    def _output_order(self) -> tuple[DecodeRun | PrefillChunk, ...]:
+        """Runs of consecutive decode sequences become slices of the decode output."""
+        order: list[DecodeRun | PrefillChunk] = []
+        chunks = iter(self.chunks)
+        decode_index = 0
         for qlen in self.query_lens:
             if qlen > 1:
-                self._pieces.append(("chunk", chunk_index, 0))
-                chunk_index += 1
-                continue
-            if self._pieces and self._pieces[-1][0] == "decode":
-                self._pieces[-1] = ("decode", self._pieces[-1][1], decode_index + 1)
+                order.append(next(chunks))
+            elif order and isinstance(order[-1], DecodeRun):
+                order[-1] = DecodeRun(order[-1].start, decode_index + 1)
+                decode_index += 1
             else:
-                self._pieces.append(("decode", decode_index, decode_index + 1))
-            decode_index += 1
+                order.append(DecodeRun(decode_index, decode_index + 1))
+                decode_index += 1
+        return tuple(order)
 
     @classmethod
     def build(
@@ -125,15 +149,19 @@ class AttentionMetadata:
         context_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
+        backend: str | None = None,
     ) -> AttentionMetadata:
         """Metadata for one step from plain Python sequences, one entry per scheduled sequence.
 
         query_lens[s] >= 1 new tokens, context_lens[s] >= query_lens[s] (cached prefix + new),
         block_tables[s]: pool block ids covering context_lens[s] tokens. Rows of the flat batch are
-        the sequences' new tokens concatenated in this order. ValueError on inconsistent input.
+        the sequences' new tokens concatenated in this order. backend: "kernel" | "reference" | None
+        (see the class). ValueError on inconsistent input.
         """
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if backend not in (None, "kernel", "reference"):
+            raise ValueError(f"backend must be 'kernel', 'reference' or None, got {backend!r}")
         if not (len(query_lens) == len(context_lens) == len(block_tables)) or not query_lens:
             raise ValueError(
                 f"need one query_len, context_len and block table per sequence (at least one), got "
@@ -149,72 +177,52 @@ class AttentionMetadata:
                     f"sequence {s}: block table of {len(table)} blocks x {block_size} covers fewer "
                     f"than its context_len {ctx} tokens"
                 )
-        return cls(query_lens, context_lens, block_tables, block_size)
+        return cls(query_lens, context_lens, block_tables, block_size, backend)
 
-    def _memoized(self, key: tuple, make):
-        if key not in self._memo:
-            self._memo[key] = make()
-        return self._memo[key]
+    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """`make()` the first time `key` is asked for in this step, the same object afterwards."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
-    def _decode_gather(self, window: int | None, n_kv: int):
-        """Flat K/V row indices (B, n_kv, L) into a (num_slots * n_kv, head_dim) view and a mask."""
-        ctx = self._decode_ctx  # (B,)
+    @property
+    def num_cached(self) -> int:
+        """How many gather indices / masks this step has built so far."""
+        return len(self._cache)
+
+    def decode_gather(self, window: int | None, n_kv: int) -> tuple[mx.array, mx.array | None]:
+        """Flat K/V row indices (B, n_kv, L) into a (num_slots * n_kv, head_dim) view, and a mask
+        (B, 1, 1, L) bool (None when every row uses all L keys)."""
+        ctx = self.decode_context_lens_np  # (B,)
         n_keys = ctx if window is None else np.minimum(ctx, window)  # (B,)
         length = int(n_keys.max())
         j = np.arange(length, dtype=np.int64)  # (L,)
         pos = (ctx - n_keys)[:, None] + j[None, :]  # (B, L) key positions, last min(ctx, window) of each
         valid = j[None, :] < n_keys[:, None]  # (B, L)
         pos = np.where(valid, pos, 0)
-        table = self._decode_tables_np
+        table = self.decode_block_tables_np
         slots = np.take_along_axis(table, pos // self.block_size, axis=1) * self.block_size + pos % self.block_size
         rows = slots[:, None, :] * n_kv + np.arange(n_kv)[None, :, None]  # (B, n_kv, L)
         mask = None if valid.all() else mx.array(valid[:, None, None, :])  # (B, 1, 1, L) bool
         return mx.array(rows.astype(np.int32)), mask
 
-    def _chunk_gather(self, index: int, window: int | None, n_kv: int):
-        """Flat K/V row indices (1, n_kv, L) for chunk `index` and the position of its first key."""
-        c = self._chunks[index]
-        first = c.context_len - c.query_len  # position of the chunk's first query
-        start = 0 if window is None else max(0, first - window + 1)
-        rows = c.slots[None, None, start:] * n_kv + np.arange(n_kv)[None, :, None]  # (1, n_kv, L)
+    def chunk_gather(self, chunk: PrefillChunk, window: int | None, n_kv: int) -> tuple[mx.array, int]:
+        """Flat K/V row indices (1, n_kv, L) of `chunk`'s visible keys and the position of the first."""
+        start = 0 if window is None else max(0, chunk.first_position - window + 1)
+        rows = chunk.slots[None, None, start:] * n_kv + np.arange(n_kv)[None, :, None]  # (1, n_kv, L)
         return mx.array(rows.astype(np.int32)), start
 
-    def _chunk_mask(self, index: int, window: int | None, start: int) -> mx.array:
-        """Boolean mask (q_len, L) of chunk `index`: causal, and within the window if any.
+    def chunk_mask(self, chunk: PrefillChunk, window: int | None, start: int) -> mx.array:
+        """Boolean mask (q_len, L) of `chunk`: causal, and within the window if any.
 
         An explicit mask built once per step beats sdpa's "causal" (rebuilt by every layer on CPU).
         """
-        c = self._chunks[index]
-        q_pos = np.arange(c.context_len - c.query_len, c.context_len)[:, None]  # (q_len, 1)
-        k_pos = np.arange(start, c.context_len)[None, :]  # (1, L)
+        q_pos = np.arange(chunk.first_position, chunk.context_len)[:, None]  # (q_len, 1)
+        k_pos = np.arange(start, chunk.context_len)[None, :]  # (1, L)
         allowed = k_pos <= q_pos  # (q_len, L)
         if window is not None:
             allowed &= k_pos > q_pos - window
         return mx.array(allowed)
-
-
-BACKENDS = ("auto", "kernel", "reference")
-
-
-def attention_backend() -> str:
-    """"kernel" when decode rows go through the C++ extension, else "reference".
-
-    METRALE_ATTENTION selects: "auto" (default) uses the kernel where it is built and runs (the CPU
-    device), "reference" forces the plain-MLX path, "kernel" requires the kernel (RuntimeError if
-    it is not available, for benchmarks and CI that must measure it).
-    """
-    choice = os.environ.get("METRALE_ATTENTION", "auto").lower()
-    if choice not in BACKENDS:
-        raise ValueError(f"METRALE_ATTENTION={choice!r}: expected one of {', '.join(BACKENDS)}")
-    if choice == "reference":
-        return "reference"
-    available = mx.default_device() == mx.cpu and _ext.load() is not None
-    if choice == "kernel" and not available:
-        raise RuntimeError(
-            "METRALE_ATTENTION=kernel but the paged decode kernel is not available on "
-            f"{mx.default_device()} (build it: python -m kvcache._ext.build)"
-        )
-    return "kernel" if available else "reference"
 
 
 def _flat(pool: mx.array) -> mx.array:
@@ -224,7 +232,7 @@ def _flat(pool: mx.array) -> mx.array:
 def _decode_reference(queries, k_pool, v_pool, md, scale, window):
     """queries (B, n_heads, hd) -> (B, n_heads, hd), one sdpa padded to the longest context."""
     n_kv = k_pool.shape[1]
-    rows, mask = md._memoized(("decode", window, n_kv), lambda: md._decode_gather(window, n_kv))
+    rows, mask = md.cached(("decode", window, n_kv), lambda: md.decode_gather(window, n_kv))
     keys = _flat(k_pool)[rows]  # (B, n_kv, L, hd)
     values = _flat(v_pool)[rows]  # (B, n_kv, L, hd)
     out = mx.fast.scaled_dot_product_attention(queries[:, :, None, :], keys, values, scale=scale, mask=mask)
@@ -233,39 +241,38 @@ def _decode_reference(queries, k_pool, v_pool, md, scale, window):
 
 def _decode_attention(queries, k_pool, v_pool, md, scale, window, use_kernel):
     """The decode rows of queries (T, n_heads, hd) -> (B, n_heads, hd), kernel or reference."""
-    if md._decode_slice is not None:
-        decode_q = queries[md._decode_slice[0] : md._decode_slice[1]]  # (B, n_heads, hd)
+    if md.decode_slice is not None:
+        decode_q = queries[md.decode_slice[0] : md.decode_slice[1]]  # (B, n_heads, hd)
     else:
-        decode_q = queries[md._decode_rows]  # (B, n_heads, hd)
+        decode_q = queries[md.decode_rows]  # (B, n_heads, hd)
     if use_kernel:
-        return _ext.paged_decode(
+        return ext.paged_decode(
             decode_q, k_pool, v_pool, md.decode_block_tables, md.decode_context_lens,
             scale=scale, block_size=md.block_size, window=window or 0,
         )  # (B, n_heads, hd) float32
     return _decode_reference(decode_q, k_pool, v_pool, md, scale, window)
 
 
-def _chunk_attention(queries, k_pool, v_pool, md, index, scale, window, use_kernel):
+def _chunk_attention(queries, k_pool, v_pool, md, chunk, scale, window, use_kernel):
     """queries (q_len, n_heads, hd) of one prefill chunk -> (q_len, n_heads, hd).
 
     Reference: one sdpa with a boolean mask. Kernel (float32 pools): two matmuls around the
     extension's causal softmax, as MLX's CPU softmax dominates sdpa's cost at prefill sizes.
     """
     n_kv = k_pool.shape[1]
-    rows, start = md._memoized(("chunk", index, window, n_kv), lambda: md._chunk_gather(index, window, n_kv))
+    rows, start = md.cached(("chunk", chunk.index, window, n_kv), lambda: md.chunk_gather(chunk, window, n_kv))
     keys = _flat(k_pool)[rows]  # (1, n_kv, L, hd)
     values = _flat(v_pool)[rows]  # (1, n_kv, L, hd)
     q_len, n_heads, head_dim = queries.shape
     q = queries.transpose(1, 0, 2)  # (n_heads, q_len, hd)
     if use_kernel and k_pool.dtype == mx.float32:
-        c = md._chunks[index]
         grouped = (q.astype(mx.float32) * scale).reshape(n_kv, -1, head_dim)  # (n_kv, rep * q_len, hd)
         scores = (grouped @ keys[0].swapaxes(1, 2)).reshape(n_heads, q_len, -1)  # (n_heads, q_len, L)
-        offset = c.context_len - c.query_len - start  # query i sits at key index i + offset
-        probs = _ext.causal_softmax(scores, offset=offset, window=window or 0)  # (n_heads, q_len, L)
+        offset = chunk.first_position - start  # query i sits at key index i + offset
+        probs = ext.causal_softmax(scores, offset=offset, window=window or 0)  # (n_heads, q_len, L)
         out = probs.reshape(n_kv, -1, probs.shape[2]) @ values[0]  # (n_kv, rep * q_len, hd)
         return out.reshape(n_heads, q_len, head_dim).transpose(1, 0, 2)  # (q_len, n_heads, hd)
-    mask = md._memoized(("chunk_mask", index, window), lambda: md._chunk_mask(index, window, start))
+    mask = md.cached(("chunk_mask", chunk.index, window), lambda: md.chunk_mask(chunk, window, start))
     out = mx.fast.scaled_dot_product_attention(q[None], keys, values, scale=scale, mask=mask)
     return out[0].transpose(1, 0, 2)  # (q_len, n_heads, hd)
 
@@ -283,8 +290,8 @@ def paged_attention(
     queries: (T, n_heads, head_dim); k_pool, v_pool: (num_slots, n_kv_heads, head_dim) already
     holding this step's K/V; n_heads a multiple of n_kv_heads (GQA). A query at position p sees
     positions p - sliding_window < k <= p. Returns (T, n_heads, head_dim) in the queries' dtype.
-    With the C++ kernels (see attention_backend; head_dim a multiple of 8, at most 256) decode rows
-    read the pools directly and prefill chunks use the fused causal softmax; else the reference.
+    With the C++ kernels (metadata.backend "kernel"; head_dim a multiple of 8, at most 256) decode
+    rows read the pools directly and prefill chunks use the fused causal softmax; else the reference.
     """
     md = metadata
     if queries.ndim != 3 or queries.shape[0] != md.num_tokens:
@@ -304,17 +311,18 @@ def paged_attention(
         )
 
     head_dim = queries.shape[2]
-    use_kernel = attention_backend() == "kernel" and head_dim % 8 == 0 and head_dim <= 256
+    backend = md.backend or attention_backend()
+    use_kernel = backend == "kernel" and head_dim % 8 == 0 and head_dim <= 256
     decode_out = None
     if md.num_decode:
         decode_out = _decode_attention(queries, k_pool, v_pool, md, scale, sliding_window, use_kernel)
     pieces = []
-    for kind, a, b in md._pieces:
-        if kind == "decode":
-            pieces.append(decode_out if b - a == md.num_decode else decode_out[a:b])
+    for piece in md.output_order:
+        if isinstance(piece, DecodeRun):
+            whole = piece.end - piece.start == md.num_decode
+            pieces.append(decode_out if whole else decode_out[piece.start : piece.end])
         else:
-            c = md._chunks[a]
-            chunk_q = queries[c.row_start : c.row_start + c.query_len]  # (q_len, n_heads, hd)
-            pieces.append(_chunk_attention(chunk_q, k_pool, v_pool, md, a, scale, sliding_window, use_kernel))
+            chunk_q = queries[piece.row_start : piece.row_start + piece.query_len]  # (q_len, n_heads, hd)
+            pieces.append(_chunk_attention(chunk_q, k_pool, v_pool, md, piece, scale, sliding_window, use_kernel))
     out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)  # (T, n_heads, hd)
     return out.astype(queries.dtype)

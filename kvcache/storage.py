@@ -17,11 +17,7 @@ holding the arrays returned by `write`/`layer` is harmless; evaluate each step b
 
 from __future__ import annotations
 
-from kvcache.blas import preload_openblas
-
-preload_openblas()
-
-import mlx.core as mx  # noqa: E402  (after the BLAS preload, on purpose)
+from kernels.runtime import mx
 
 __all__ = ["PagedKVCache"]
 
@@ -129,10 +125,6 @@ class PagedKVCache:
         self._keys[layer][slot_mapping] = keys.astype(self.dtype)  # (num_slots, n_kv_heads, head_dim)
         self._values[layer][slot_mapping] = values.astype(self.dtype)  # (num_slots, n_kv_heads, head_dim)
         return self._keys[layer], self._values[layer]
-
-    def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """K/V stored at `slots` (N,) of `layer`: two arrays of shape (N, n_kv_heads, head_dim)."""
-        return self._keys[layer][slots], self._values[layer][slots]
 
     def __repr__(self) -> str:
         return (

@@ -4,23 +4,55 @@
     async with AsyncEngine(EngineConfig()) as engine:
         async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
             print(out.text, end="")
+
+The names below are loaded on first use (PEP 562), so `import metrale.text` or `import
+metrale.sampling_params` never loads MLX or the engine.
 """
 
-from kvcache.blas import preload_openblas
+from __future__ import annotations
 
-preload_openblas()  # before anything imports mlx.core: the fast BLAS on Linux CPU
-
-from metrale.config import EngineConfig  # noqa: E402
-from metrale.engine import AsyncEngine  # noqa: E402
-from metrale.errors import (EngineDeadError, EngineDrainingError, QueueFullError,  # noqa: E402
-                            RequestFailedError, RequestRejectedError)
-from metrale.outputs import CompletionResult, EngineStats, RequestOutput, TokenLogprob, Usage  # noqa: E402
-from metrale.sampling_params import SamplingParams  # noqa: E402
-from metrale.stream import RequestStream  # noqa: E402
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = [
-    "AsyncEngine", "CompletionResult", "EngineConfig", "EngineDeadError", "EngineDrainingError",
-    "EngineStats", "QueueFullError", "RequestFailedError", "RequestOutput", "RequestRejectedError",
-    "RequestStream", "SamplingParams", "TokenLogprob", "Usage",
-]
+
+_EXPORTS = {
+    "AsyncEngine": "metrale.engine.async_engine",
+    "RequestStream": "metrale.engine.stream",
+    "EngineConfig": "metrale.config",
+    "SamplingParams": "metrale.sampling_params",
+    "CompletionResult": "metrale.outputs",
+    "EngineStats": "metrale.outputs",
+    "RequestOutput": "metrale.outputs",
+    "TokenLogprob": "metrale.outputs",
+    "Usage": "metrale.outputs",
+    "EngineDeadError": "metrale.errors",
+    "EngineDrainingError": "metrale.errors",
+    "EngineNotRunningError": "metrale.errors",
+    "QueueFullError": "metrale.errors",
+    "RequestFailedError": "metrale.errors",
+    "RequestRejectedError": "metrale.errors",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them  # noqa: F401
+    from metrale.config import EngineConfig
+    from metrale.engine.async_engine import AsyncEngine
+    from metrale.engine.stream import RequestStream
+    from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, QueueFullError,
+                                RequestFailedError, RequestRejectedError)
+    from metrale.outputs import CompletionResult, EngineStats, RequestOutput, TokenLogprob, Usage
+    from metrale.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'metrale' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -8,7 +8,7 @@ import sys
 import time
 
 from metrale.config import EngineConfig
-from metrale.engine import AsyncEngine
+from metrale.engine.async_engine import AsyncEngine
 from metrale.sampling_params import SamplingParams
 
 QUESTIONS = (

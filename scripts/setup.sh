@@ -47,5 +47,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 # Optional CPU attention kernels (an MLX C++ extension); rebuilt only when sources or mlx change.
-"$VENV/bin/python" -m kvcache._ext.build \
+"$VENV/bin/python" -m kernels.build \
   || echo "[setup] note: attention kernels not built; metrale uses the reference attention" >&2

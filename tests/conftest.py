@@ -2,9 +2,7 @@
 
 import asyncio
 
-from kvcache.blas import preload_openblas
-
-preload_openblas()
+import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 try:
     import uvloop

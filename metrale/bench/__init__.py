@@ -9,7 +9,7 @@ reports and plots. Needs the `bench` extra (httpx, matplotlib, psutil; mlx-lm fo
 
 from metrale.bench.arrivals import arrival_offsets
 from metrale.bench.loadgen import BenchSettings, measure, run_benchmark, run_requests
-from metrale.bench.metrics import RequestRecord, summarize
+from metrale.bench.stats import RequestRecord, summarize
 from metrale.bench.targets import Chunk, EngineTarget, OpenAITarget, TargetError
 from metrale.bench.workloads import BenchRequest, chat_requests, load_sharegpt, random_requests
 

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from metrale.bench.arrivals import arrival_offsets
-from metrale.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, details, summarize
+from metrale.bench.stats import DEFAULT_PERCENTILES, RequestRecord, details, summarize
 from metrale.bench.progress import Progress
 from metrale.bench.targets import Target
 from metrale.bench.workloads import BenchRequest

@@ -114,7 +114,7 @@ class MlxLmTarget:
     # ---- the generation thread ----
 
     def _run(self) -> None:
-        import mlx.core as mx
+        from kernels.runtime import mx
         from mlx_lm.generate import BatchGenerator
 
         try:

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from metrale.bench.metrics import LATENCY_METRICS
+from metrale.bench.stats import LATENCY_METRICS
 
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}

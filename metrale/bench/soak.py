@@ -22,7 +22,7 @@ from typing import Any
 
 from metrale.bench.arrivals import arrival_offsets
 from metrale.bench.loadgen import measure
-from metrale.bench.metrics import RequestRecord
+from metrale.bench.stats import RequestRecord
 from metrale.bench.targets import EngineTarget
 from metrale.bench.workloads import random_requests
 
@@ -61,7 +61,7 @@ def rss_mib() -> float:
 
 def snapshot(engine: Any, t0: float) -> dict[str, Any]:
     """One sample: time, RSS, MLX active memory, free KV blocks, running, waiting."""
-    import mlx.core as mx
+    from kernels.runtime import mx
 
     stats = engine.stats()
     return {"t": round(time.perf_counter() - t0, 3), "rss_mib": round(rss_mib(), 1),

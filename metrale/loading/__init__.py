@@ -11,15 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import mx
 
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.core as mx  # noqa: E402
-
-from metrale.loading import folder, gguf, hub  # noqa: E402
-from metrale.loading.default_model import ModelNotFoundError  # noqa: E402
-from metrale.loading.weights import LoadedModel  # noqa: E402
+from metrale.loading import folder, gguf, hub
+from metrale.loading.default_model import ModelNotFoundError
+from metrale.loading.weights import LoadedModel
 
 __all__ = ["LoadedModel", "ModelNotFoundError", "load_model"]
 

@@ -28,16 +28,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import mx
 
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.core as mx  # noqa: E402
-
-from metrale.loading.default_model import ModelNotFoundError  # noqa: E402
-from metrale.loading.weights import LoadedModel, build_model  # noqa: E402
-from metrale.models import MODEL_ARCHITECTURES, ModelConfig, supported_architectures  # noqa: E402
-from metrale.tokenizer import Tokenizer  # noqa: E402
+from metrale.loading.default_model import ModelNotFoundError
+from metrale.loading.weights import LoadedModel, build_model
+from metrale.models import MODEL_ARCHITECTURES, ModelConfig, supported_architectures
+from metrale.text.tokenizer import Tokenizer
 
 __all__ = ["hf_to_model_names", "load_folder", "read_hf_config", "weight_files"]
 

@@ -27,17 +27,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import mx
+import numpy as np
 
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from metrale.loading.default_model import ModelNotFoundError, default_model_path  # noqa: E402
-from metrale.loading.weights import LoadedModel, build_model, dequantize_affine  # noqa: E402
-from metrale.models import ModelConfig, RopeScaling  # noqa: E402
-from metrale.tokenizer import Tokenizer  # noqa: E402
+from metrale.loading.default_model import ModelNotFoundError, default_model_path
+from metrale.loading.weights import LoadedModel, build_model, dequantize_affine
+from metrale.models import ModelConfig, RopeScaling
+from metrale.text.tokenizer import Tokenizer
 
 __all__ = [
     "GGUF_ARCHITECTURES", "LoadedModel", "build_model", "config_from_gguf_metadata", "dequantize_affine",

@@ -20,16 +20,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import mx, nn
+from mlx.utils import tree_flatten
 
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-
-from metrale.models import ModelConfig, get_model_class  # noqa: E402
-from metrale.tokenizer import Tokenizer  # noqa: E402
+from metrale.models import ModelConfig, get_model_class
+from metrale.text.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "QUANTIZED_BITS", "build_model", "dequantize_affine"]
 

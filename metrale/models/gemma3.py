@@ -15,17 +15,12 @@ What differs from llama (each matched against mlx-lm's gemma3_text):
 
 from __future__ import annotations
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import mx, nn
 
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-
-from kvcache.attention import AttentionMetadata  # noqa: E402
-from kvcache.storage import PagedKVCache  # noqa: E402
-from metrale.models.config import ModelConfig  # noqa: E402
-from metrale.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel  # noqa: E402
+from kvcache.attention import AttentionMetadata
+from kvcache.storage import PagedKVCache
+from metrale.models.config import ModelConfig
+from metrale.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 _FLOAT16_MAX = float(mx.finfo(mx.float16).max)
 

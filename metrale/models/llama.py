@@ -14,20 +14,12 @@ Hugging Face / mlx-lm (`model.layers.0.self_attn.q_proj.weight`), so their weigh
 
 from __future__ import annotations
 
-from kvcache.blas import preload_openblas
-
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-
-from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
-from kvcache.activations import gated_activation  # noqa: E402
-from kvcache.storage import PagedKVCache  # noqa: E402
-from metrale.models.config import ModelConfig  # noqa: E402
-from metrale.models.rope import FlatRope  # noqa: E402
-
-
+from kernels.activations import gated_activation_fn
+from kernels.runtime import mx, nn
+from kvcache.attention import AttentionMetadata, paged_attention
+from kvcache.storage import PagedKVCache
+from metrale.models.config import ModelConfig
+from metrale.models.rope import FlatRope
 
 
 class LlamaAttention(nn.Module):
@@ -96,12 +88,12 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
-        self._act_kind = config.hidden_act
+        # fused act(gate) * up, decided once at load: one vectorized pass on CPU (MLX's exp is scalar there)
+        self._gated_activation = gated_activation_fn(config.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
         """x (T, D) -> (T, D)."""
-        # fused act(gate) * up: one vectorized pass on CPU (MLX's own exp is scalar there)
-        hidden = gated_activation(self.gate_proj(x), self.up_proj(x), self._act_kind)  # (T, intermediate)
+        hidden = self._gated_activation(self.gate_proj(x), self.up_proj(x))  # (T, intermediate)
         return self.down_proj(hidden)  # (T, D)
 
 

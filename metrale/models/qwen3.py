@@ -3,14 +3,10 @@
 
 from __future__ import annotations
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import nn
 
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.nn as nn  # noqa: E402
-
-from metrale.models.config import ModelConfig  # noqa: E402
-from metrale.models.llama import LlamaAttention, LlamaForCausalLM  # noqa: E402
+from metrale.models.config import ModelConfig
+from metrale.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):

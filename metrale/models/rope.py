@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import math
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import mx
 
-preload_openblas()  # before mlx.core is imported: fast float32 BLAS on Linux CPU
-
-import mlx.core as mx  # noqa: E402
-
-from metrale.models.config import ModelConfig, RopeScaling  # noqa: E402
+from metrale.models.config import ModelConfig, RopeScaling
 
 
 def llama3_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> mx.array:

@@ -137,9 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     metrale_logger = logging.getLogger("metrale")
     if metrale_logger.getEffectiveLevel() > logging.INFO:
         metrale_logger.setLevel(logging.INFO)  # a server logs its lifecycle
-    from kvcache.blas import preload_openblas
-    preload_openblas()  # before mlx is first imported: the fast CPU matmul (no-op elsewhere)
-    from metrale.engine import AsyncEngine  # the heavy import (MLX) only when serving
+    from metrale.engine.async_engine import AsyncEngine  # the heavy import (MLX) only when serving
 
     registry = CollectorRegistry()
     for collector in (ProcessCollector, PlatformCollector, GCCollector):

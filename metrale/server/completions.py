@@ -25,7 +25,7 @@ from metrale.server import logprobs as lp
 from metrale.server import protocol
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, from_engine_error
-from metrale.stream import RequestStream
+from metrale.engine.stream import RequestStream
 
 try:
     FINGERPRINT = f"metrale-{version('metrale')}"

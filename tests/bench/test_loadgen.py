@@ -14,7 +14,7 @@ import pytest
 
 from metrale.bench.arrivals import arrival_offsets
 from metrale.bench.loadgen import BenchSettings, run_benchmark, run_requests
-from metrale.bench.metrics import RequestRecord, summarize
+from metrale.bench.stats import RequestRecord, summarize
 from metrale.bench.targets import Chunk, OpenAITarget, TargetError, parse_event
 from metrale.bench.workloads import (TOKEN_ID_LOW, BenchRequest, chat_requests, load_sharegpt,
                                      random_requests)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from metrale.metrics import EngineMetrics
+from metrale.engine.metrics import EngineMetrics
 from metrale.server.cli import add_serve_arguments
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

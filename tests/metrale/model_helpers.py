@@ -7,9 +7,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvcache.blas import preload_openblas
-
-preload_openblas()
+import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402

@@ -1,6 +1,6 @@
 """Shared helpers for the text tests: the default model's GGUF metadata and its tokenizer.
 
-`load_tokenizer()` is metrale.tokenizer's byte-level BPE built from the GGUF metadata, the same
+`load_tokenizer()` is metrale.text.tokenizer's byte-level BPE built from the GGUF metadata, the same
 tokenizer the engine uses for the default model.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from metrale.loading.default_model import ModelNotFoundError, default_model_path
-from metrale.tokenizer import Tokenizer
+from metrale.text.tokenizer import Tokenizer
 
 CONTROL_TOKEN_TYPE = 3  # GGUF token_type of special (control) tokens
 
@@ -36,9 +36,7 @@ def gguf_path() -> Path:
 @functools.lru_cache(maxsize=1)
 def gguf_metadata() -> dict[str, Any]:
     """The default model's GGUF metadata (tokenizer.ggml.*, tokenizer.chat_template, ...)."""
-    from kvcache.blas import preload_openblas
-
-    preload_openblas()
+    import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
     import mlx.core as mx
 
     _, metadata = mx.load(str(gguf_path()), return_metadata=True)
@@ -47,7 +45,7 @@ def gguf_metadata() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def load_tokenizer() -> Tokenizer:
-    """The default model's tokenizer, built from its GGUF metadata by metrale.tokenizer."""
+    """The default model's tokenizer, built from its GGUF metadata by metrale.text.tokenizer."""
     return Tokenizer.from_gguf_metadata(gguf_metadata())
 
 

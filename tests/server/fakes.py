@@ -13,12 +13,12 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from metrale.chat_template import validate_messages
+from metrale.text.chat_template import validate_messages
 from metrale.errors import EngineDrainingError, RequestRejectedError
-from metrale.metrics import EngineMetrics
+from metrale.engine.metrics import EngineMetrics
 from metrale.outputs import RequestOutput
 from metrale.sampling_params import SamplingParams
-from metrale.stream import OutputChannel, RequestStream
+from metrale.engine.stream import OutputChannel, RequestStream
 
 
 class FakeTokenizer:

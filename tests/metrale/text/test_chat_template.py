@@ -8,9 +8,9 @@ import json
 import jinja2
 import pytest
 
-from metrale.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateError, validate_messages
+from metrale.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateError, validate_messages
 
-from .text_helpers import gguf_metadata
+from tests.metrale.text_helpers import gguf_metadata
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 CONVERSATION = [

@@ -1,8 +1,8 @@
-"""Build the CPU kernels (paged decode, causal softmax, gated activations): `python -m kvcache._ext.build [--force]`.
+"""Build the CPU kernels (paged decode, causal softmax, gated activations): `python -m kernels.build [--force]`.
 
 Needs cmake (>= 3.18), a C++20 compiler and nanobind from PyPI (`pip install nanobind`). Writes
-kvcache/_ext/_kernels*.so (ignored by git) through kvcache/_ext/build/, then checks in a fresh
-interpreter that kvcache._ext.load() accepts it. Exit status 0 on success, 1 with the reason
+kernels/_kernels*.so (ignored by git) through kernels/build/ (sources in kernels/csrc/), then checks
+in a fresh interpreter that kernels.ext.load() accepts it. Exit status 0 on success, 1 with the reason
 otherwise; the engine works without the kernels (reference attention and activations), so setup may
 ignore a failure.
 Set METRALE_NATIVE=0 to build without -march=native (a binary meant for other CPUs).
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SOURCES = HERE / "csrc"
 BUILD_DIR = HERE / "build"
 
 
@@ -50,7 +51,7 @@ def up_to_date() -> bool:
     so, stamp = built_module(), BUILD_DIR / "mlx_version.txt"
     if so is None or not stamp.exists() or stamp.read_text().strip() != mlx_version():
         return False
-    sources = [HERE / "CMakeLists.txt", *HERE.glob("*.cpp"), *HERE.glob("*.h")]
+    sources = [SOURCES / "CMakeLists.txt", *SOURCES.glob("*.cpp"), *SOURCES.glob("*.h")]
     return all(so.stat().st_mtime >= src.stat().st_mtime for src in sources)
 
 
@@ -66,7 +67,7 @@ def build(force: bool = False) -> Path:
         raise RuntimeError("nanobind not installed: pip install nanobind") from exc
     native = "OFF" if os.environ.get("METRALE_NATIVE", "1") == "0" else "ON"
     configure = [
-        "cmake", "-S", str(HERE), "-B", str(BUILD_DIR), "-DCMAKE_BUILD_TYPE=Release",
+        "cmake", "-S", str(SOURCES), "-B", str(BUILD_DIR), "-DCMAKE_BUILD_TYPE=Release",
         f"-DPython_EXECUTABLE={sys.executable}", f"-DMLX_DIR={mlx_cmake_dir()}",
         f"-Dnanobind_DIR={nanobind.cmake_dir()}", f"-DMETRALE_OUTPUT_DIR={HERE}",
         f"-DMETRALE_NATIVE={native}",
@@ -86,8 +87,8 @@ def build(force: bool = False) -> Path:
 
 def check_loads() -> None:
     """Load the module in a fresh interpreter, as the engine would; RuntimeError if it is refused."""
-    code = "import logging, sys; logging.basicConfig(); from kvcache import _ext; sys.exit(not _ext.load())"
-    root = HERE.parents[1]
+    code = "import logging, sys; logging.basicConfig(); from kernels import ext; sys.exit(not ext.load())"
+    root = HERE.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode != 0:
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         so = build(force=args.force)
         check_loads()
     except RuntimeError as exc:
-        print(f"[kvcache._ext] kernel not built, reference attention and activations will be used: {exc}",
+        print(f"[kernels] kernel not built, reference attention and activations will be used: {exc}",
               file=sys.stderr)
         return 1
-    print(f"[kvcache._ext] ready: {so.relative_to(HERE.parents[1])} ({time.perf_counter() - start:.1f} s)")
+    print(f"[kernels] ready: {so.relative_to(HERE.parent)} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 

@@ -21,16 +21,16 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
-from metrale.core import EngineCore
+from metrale.engine.core import EngineCore
 from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError,
                             EngineNotRunningError, QueueFullError, RequestRejectedError)
-from metrale.metrics import EngineMetrics
-from metrale.mlx_thread import MLXThread
+from metrale.engine.metrics import EngineMetrics
+from metrale.engine.mlx_thread import MLXThread
 from metrale.outputs import CompletionResult, EngineStats, Usage
-from metrale.request_state import RequestState
-from metrale.runner import ModelRunner
+from metrale.engine.request_state import RequestState
+from metrale.engine.runner import ModelRunner
 from metrale.sampling_params import SamplingParams
-from metrale.stream import RequestStream
+from metrale.engine.stream import RequestStream
 from scheduler import Request, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ import logging
 import time
 
 from metrale.errors import EngineDeadError
-from metrale.metrics import EngineMetrics, FinishedRequestStats, IterationStats
-from metrale.mlx_thread import MLXThread
-from metrale.request_state import RequestState
-from metrale.runner import ModelRunner, SamplingRow, StepInput, StepResult
+from metrale.engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
+from metrale.engine.mlx_thread import MLXThread
+from metrale.engine.request_state import RequestState
+from metrale.engine.runner import ModelRunner, SamplingRow, StepInput, StepResult
 from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)

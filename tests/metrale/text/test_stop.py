@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metrale.detokenizer import IncrementalDetokenizer
-from metrale.stop import StopStringMatcher
+from metrale.text.detokenizer import IncrementalDetokenizer
+from metrale.text.stop import StopStringMatcher
 
-from .text_helpers import encode, load_tokenizer
+from tests.metrale.text_helpers import encode, load_tokenizer
 
 
 def reference(text: str, stops: tuple[str, ...], include: bool) -> tuple[str, bool]:

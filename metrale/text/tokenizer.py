@@ -3,7 +3,7 @@
 `Tokenizer` wraps the backend with what the engine needs besides encode/decode: the bos id, the
 eos ids (the file's eos plus the end-of-turn token its chat template uses, e.g. <|im_end|>), the
 chat template and the special tokens. The GGUF pipelines themselves are built in
-`metrale.loading.gguf_tokenizer`. This module never imports mlx.
+`metrale.text.gguf_vocab`. This module never imports mlx.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from metrale.loading.gguf_tokenizer import gguf_tokenizer_spec
+from metrale.text.gguf_vocab import gguf_tokenizer_spec
 
 __all__ = ["Tokenizer", "END_OF_TURN_TOKENS"]
 

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrale.metrics import (
+from metrale.engine.metrics import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,

@@ -12,7 +12,7 @@ from tests.metrale.model_helpers import CHATML_TEMPLATE, CONTROL_TOKENS, tiny_vo
 import mlx.core as mx  # noqa: E402  (model_helpers loads the fast BLAS first)
 
 from metrale.loading.default_model import ModelNotFoundError, default_model_path  # noqa: E402
-from metrale.tokenizer import Tokenizer  # noqa: E402
+from metrale.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def tiny_metadata(**overrides):

@@ -15,22 +15,18 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvcache.blas import preload_openblas
+from kernels.runtime import mx
 
-preload_openblas()
-
-import mlx.core as mx  # noqa: E402
-
-from kvcache.attention import AttentionMetadata  # noqa: E402
-from kvcache.storage import PagedKVCache  # noqa: E402
-from metrale.chat_template import ChatTemplate, default_builtin  # noqa: E402
-from metrale.config import EngineConfig  # noqa: E402
-from metrale.loading import LoadedModel, load_model  # noqa: E402
-from metrale.detokenizer import IncrementalDetokenizer  # noqa: E402
-from metrale.outputs import TokenLogprob  # noqa: E402
-from metrale.sampler import Sampler  # noqa: E402
-from metrale.sampling_params import SamplingParams  # noqa: E402
-from scheduler import SchedulerOutput  # noqa: E402
+from kvcache.attention import AttentionMetadata
+from kvcache.storage import PagedKVCache
+from metrale.text.chat_template import ChatTemplate, default_builtin
+from metrale.config import EngineConfig
+from metrale.loading import LoadedModel, load_model
+from metrale.text.detokenizer import IncrementalDetokenizer
+from metrale.outputs import TokenLogprob
+from metrale.sampling.sampler import Sampler
+from metrale.sampling_params import SamplingParams
+from scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

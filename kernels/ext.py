@@ -1,9 +1,9 @@
-"""Optional C++ CPU kernels for kvcache (an MLX extension): paged decode attention, causal softmax
-and fused gated activations (SwiGLU / GeGLU); without them the plain-MLX reference runs.
+"""The compiled CPU kernels (an MLX extension): paged decode attention, causal softmax and fused
+gated activations (SwiGLU / GeGLU); without them the plain-MLX reference runs.
 
-Build with `python -m kvcache._ext.build` (it writes kvcache/_ext/_kernels*.so, ignored by
-git). `load()` returns the compiled module, or None when it is not built, fails to load, or was
-built against another mlx version (its C++ ABI would not be safe to call).
+Build with `python -m kernels.build` (it writes kernels/_kernels*.so, ignored by git). `load()`
+returns the compiled module, or None when it is not built, fails to load, or was built against
+another mlx version (its C++ ABI would not be safe to call).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-MODULE = f"{__name__}._kernels"
+MODULE = "kernels._kernels"
+_ACTIVATION_OPS = ("silu_mul", "gelu_tanh_mul")
 _state: dict[str, object] = {}
 
 
@@ -21,7 +22,7 @@ def load():
     """The compiled extension module, or None; decided (and logged) once per process."""
     if "module" in _state:
         return _state["module"]
-    import mlx.core as mx
+    from kernels.runtime import mx
 
     module = None
     try:
@@ -29,13 +30,13 @@ def load():
     except ModuleNotFoundError as exc:
         if exc.name != MODULE:
             raise
-        logger.info("attention kernels not built (python -m kvcache._ext.build); using reference attention")
+        logger.info("CPU kernels not built (python -m kernels.build); using the plain-MLX reference")
     except ImportError as exc:
-        logger.warning("attention kernels failed to load (%s); using reference attention. Rebuild: "
-                       "python -m kvcache._ext.build", exc)
+        logger.warning("CPU kernels failed to load (%s); using the plain-MLX reference. Rebuild: "
+                       "python -m kernels.build", exc)
     if module is not None and module.mlx_version != mx.__version__.split(".dev")[0]:
-        logger.warning("attention kernels was built for mlx %s but mlx %s is installed; using reference "
-                       "attention. Rebuild: python -m kvcache._ext.build", module.mlx_version, mx.__version__)
+        logger.warning("CPU kernels were built for mlx %s but mlx %s is installed; using the plain-MLX "
+                       "reference. Rebuild: python -m kernels.build", module.mlx_version, mx.__version__)
         module = None
     if module is not None and not _smoke_test(module, mx):
         module = None
@@ -50,24 +51,38 @@ def _smoke_test(module, mx) -> bool:
         out = module.paged_decode(mx.ones((1, 2, 8)), pool, pool, mx.zeros((1, 1), dtype=mx.int32),
                                   mx.array([3], dtype=mx.int32), scale=1.0, block_size=4, window=0)
     except TypeError as exc:
-        logger.warning("attention kernels reject mlx arrays (%s): nanobind differs from the one mlx was "
-                       "built with; using reference attention", exc)
+        logger.warning("CPU kernels reject mlx arrays (%s): nanobind differs from the one mlx was "
+                       "built with; using the plain-MLX reference", exc)
         return False
     if not bool(mx.allclose(out, mx.ones((1, 2, 8)))):
-        logger.warning("attention kernels failed their self-check; using reference attention")
+        logger.warning("CPU kernels failed their self-check; using the plain-MLX reference")
         return False
     return True
+
+
+def has_activation_kernels() -> bool:
+    """True when the loaded extension has the gated-activation kernels (a build that predates them
+    is reported once: rebuild with python -m kernels.build)."""
+    module = load()
+    if module is None:
+        return False
+    if "activations" not in _state:
+        _state["activations"] = all(hasattr(module, name) for name in _ACTIVATION_OPS)
+        if not _state["activations"]:
+            logger.warning("kernels/_kernels was built before the activation kernels; using the MLX "
+                           "expression. Rebuild: python -m kernels.build")
+    return bool(_state["activations"])
 
 
 def _module():
     module = load()
     if module is None:
-        raise RuntimeError("attention kernels are not available: check kvcache._ext.load() first")
+        raise RuntimeError("CPU kernels are not available: check kernels.ext.load() first")
     return module
 
 
 def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, *, scale, block_size, window):
-    """Decode attention read straight from the pools (kvcache/_ext/paged_decode.cpp).
+    """Decode attention read straight from the pools (kernels/csrc/paged_decode.cpp).
 
     queries (B, n_heads, hd), pools (num_slots, n_kv_heads, hd), block_tables (B, max_blocks)
     int32, context_lens (B,) int32; window 0 means none. Returns (B, n_heads, hd). Needs load().
@@ -85,7 +100,7 @@ def causal_softmax(scores, *, offset, window):
 
 
 def silu_mul(gate, up):
-    """gate * sigmoid(gate) * up in one vectorized pass (kvcache/_ext/activations.cpp).
+    """gate * sigmoid(gate) * up in one vectorized pass (kernels/csrc/activations.cpp).
 
     gate, up: the same shape and dtype, float32|float16|bfloat16 (half types computed in float32);
     returns that shape and dtype, ValueError otherwise. CPU stream. Needs load().

@@ -1,6 +1,6 @@
 """The fused gated activation kernels against MLX's expressions and a float64 oracle.
 
-Kernel tests are skipped when kvcache/_ext is not built; the backend selection and the reference
+Kernel tests are skipped when kernels/ is not built; the backend selection and the reference
 path are tested either way.
 """
 
@@ -13,11 +13,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kvcache import _ext, activations
-from kvcache.activations import activation_backend, gated_activation
+from kernels import ext as _ext
+from kernels.activations import gated_activation
+from kernels.backend import activation_backend
 
 kernel = _ext.load()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel not built: python -m kvcache._ext.build")
+needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel not built: python -m kernels.build")
 
 KERNEL_KINDS = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 MLX_EXPR = {
@@ -214,8 +215,8 @@ def test_fallback_when_not_built(monkeypatch):
 def test_build_without_activation_kernels_falls_back(monkeypatch, caplog):
     monkeypatch.delenv("METRALE_KERNELS", raising=False)
     monkeypatch.setitem(_ext._state, "module", object())  # a stale build: attention kernels only
-    monkeypatch.setattr(activations, "_state", {})
-    with caplog.at_level(logging.WARNING, logger="kvcache.activations"):
+    monkeypatch.delitem(_ext._state, "activations", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kernels.ext"):
         assert activation_backend() == "reference"
     assert "Rebuild" in caplog.text
 

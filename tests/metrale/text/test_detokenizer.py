@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metrale.detokenizer import IncrementalDetokenizer
+from metrale.text.detokenizer import IncrementalDetokenizer
 
-from .text_helpers import TRICKY_TEXTS, encode, load_tokenizer, special_token_ids
+from tests.metrale.text_helpers import TRICKY_TEXTS, encode, load_tokenizer, special_token_ids
 
 TOKENIZER = load_tokenizer()
 VOCAB = TOKENIZER.vocab_size

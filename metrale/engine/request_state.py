@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from metrale.detokenizer import IncrementalDetokenizer
+from metrale.text.detokenizer import IncrementalDetokenizer
 from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.sampling_params import SamplingParams
-from metrale.stop import StopStringMatcher
-from metrale.stream import OutputChannel
+from metrale.text.stop import StopStringMatcher
+from metrale.engine.stream import OutputChannel
 
 
 @dataclass(slots=True)

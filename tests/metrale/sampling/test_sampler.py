@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metrale.sampler import TOP_P_CANDIDATES, Sampler, seeded_bits
+from metrale.sampling.sampler import TOP_P_CANDIDATES, Sampler, seeded_bits
 from metrale.sampling_params import SamplingParams
 
 V = 49152  # the default model's vocabulary: exercises the two-level candidate search

@@ -22,7 +22,7 @@ from metrale import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
 from metrale.loading import ModelNotFoundError, load_model  # noqa: E402
 from metrale.loading import gguf as gguf_module  # noqa: E402
 from metrale.loading import hub as hub_module  # noqa: E402
-from metrale.runner import chat_template_for  # noqa: E402
+from metrale.engine.runner import chat_template_for  # noqa: E402
 
 ATOL = 1e-4
 PROMPTS = random_prompts(101, [21, 1, 13])

@@ -8,14 +8,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvcache import _ext
-from kvcache.attention import AttentionMetadata, attention_backend, paged_attention
+from kernels import ext as _ext
+from kernels.backend import attention_backend
+from kvcache.attention import AttentionMetadata, paged_attention
 from kvcache.storage import PagedKVCache
 
-from .test_attention import check, make_step
+from tests.kvcache.test_attention import check, make_step
 
 kernel = _ext.load()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel not built: python -m kvcache._ext.build")
+needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel not built: python -m kernels.build")
 
 
 def both_backends(monkeypatch, query_lens, context_lens, window=None, dtype=mx.float32, **kw):

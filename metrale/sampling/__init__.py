@@ -1,0 +1,11 @@
+"""Sampling: one token per row of a step's logits, every row with its own parameters.
+
+    batch.py     host side: per-request SamplingParams -> the step's SamplingBatch (arrays built once)
+    ops.py       device side: penalties, greedy, temperature / min_p / top_k / top_p, inverse CDF
+    logprobs.py  raw log-probabilities of the sampled tokens and their top alternatives
+    sampler.py   Sampler: prepare (host) then sample (device), one evaluation per step
+"""
+
+from metrale.sampling.sampler import Sampler, SamplerOutput
+
+__all__ = ["Sampler", "SamplerOutput"]
