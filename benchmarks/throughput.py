@@ -25,7 +25,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 async def run_level(engine: AsyncEngine, concurrency: int, prompt_len: int, output_len: int, seed: int) -> dict:
-    vocab = engine._runner.model_config.vocab_size
+    vocab = engine.vocab_size
     prompts = random_prompts(concurrency, prompt_len, vocab, seed + concurrency)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     ttfts: list[float] = []

@@ -1,20 +1,26 @@
-"""EngineConfig: everything a user sets to run the engine, frozen and validated."""
+"""EngineConfig: everything a user sets to run the engine, frozen and validated.
+
+The scheduling knobs are declared once, in `scheduler.SchedulerConfig`, and held by
+`EngineConfig.scheduler`; for convenience they may also be given as keywords and read as attributes:
+
+    EngineConfig(max_num_seqs=8)          # == EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8))
+    EngineConfig(max_num_seqs=8).max_num_seqs   # 8, read from .scheduler
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_POLICIES = ("fcfs", "priority")
+from scheduler import SchedulerConfig
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 MiB = 1 << 20
+_SCHEDULER_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
 
-def _positive(name: str, value: int | float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"EngineConfig.{name} must be a positive number, got {value!r}")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class EngineConfig:
     """Configuration of an AsyncEngine.
 
@@ -24,31 +30,45 @@ class EngineConfig:
     dtype: weights and KV cache dtype; "auto" is float32 on CPU (the fast path with OpenBLAS) and
         float16 on GPU.
     kv_cache_bytes: the KV pool's fixed footprint, allocated once at start.
-    max_model_len: prompt + output limit per request; None takes the model's context length,
-        capped at 8192.
-    max_num_batched_tokens: tokens per step (prefill chunks and decodes together).
+    seed: seeds the unseeded requests' sampling.
+    scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
+        max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
+        model's context length, capped at 8192, when the engine starts.
     """
 
     model: str | None = None
     dtype: str = "auto"
     kv_cache_bytes: int = 1024 * MiB
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 1024
-    policy: str = "fcfs"
-    enable_prefix_caching: bool = True
     seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
-    def __post_init__(self) -> None:
-        for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
-            _positive(name, getattr(self, name))
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.policy not in _POLICIES:
-            raise ValueError(f"EngineConfig.policy must be one of {_POLICIES}, got {self.policy!r}")
+    def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
+        """Keywords are this class's fields or SchedulerConfig's (TypeError for anything else)."""
+        scheduling = {name: values.pop(name) for name in list(values) if name in _SCHEDULER_FIELDS}
+        for f in dataclasses.fields(self):
+            if f.name == "scheduler":
+                continue
+            object.__setattr__(self, f.name, values.pop(f.name, f.default))
+        if values:
+            raise TypeError(f"EngineConfig got unexpected keyword arguments: {', '.join(sorted(values))}")
+        base = scheduler if scheduler is not None else SchedulerConfig()
+        if not isinstance(base, SchedulerConfig):
+            raise ValueError(f"EngineConfig.scheduler must be a SchedulerConfig, got {type(base).__name__}")
+        object.__setattr__(self, "scheduler", dataclasses.replace(base, **scheduling) if scheduling else base)
+        self._validate()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: the scheduling knobs, read from .scheduler.
+        if name in _SCHEDULER_FIELDS:
+            return getattr(self.scheduler, name)
+        raise AttributeError(f"'EngineConfig' object has no attribute {name!r}")
+
+    def _validate(self) -> None:
+        if not isinstance(self.kv_cache_bytes, int) or isinstance(self.kv_cache_bytes, bool) or self.kv_cache_bytes <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_bytes must be a positive int, got {self.kv_cache_bytes!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"EngineConfig.model must be a path string or None, got {type(self.model).__name__}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

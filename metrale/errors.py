@@ -1,35 +1,63 @@
 """Errors a caller of the engine can meet, in one place.
 
 Submission errors are raised by `generate`/`chat`/`complete` before anything is queued (the engine
-state is unchanged); a request that fails later ends its stream with finish_reason "error" and the
-stream raises `RequestFailedError` to its consumer.
+state is unchanged). Each carries `reason` (the `metrale_requests_rejected_total` label, or None
+when it is not counted), `http_status` and `code` (the server's answer), so no caller matches
+message text. The request-level ones come from the scheduler (scheduler/errors.py lists them);
+a request that fails later ends its stream with finish_reason "error" and the stream raises
+`RequestFailedError` to its consumer.
 """
 
 from __future__ import annotations
 
-from scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from scheduler.errors import (DuplicateRequestError, EmptyPromptError, InvalidParamsError, InvalidPriorityError,
+                              InvalidTokenIdError, PromptTooLongError, QueueFullError, RequestRejectedError)
 
 __all__ = [
-    "DuplicateRequestError",
-    "EngineDeadError",
-    "EngineDrainingError",
-    "EngineNotRunningError",
-    "QueueFullError",
-    "RequestFailedError",
+    "DuplicateRequestError", "EmptyPromptError", "EngineDeadError", "EngineDrainingError", "EngineNotRunningError",
+    "EngineUnavailableError", "InvalidMessagesError", "InvalidParamsError", "InvalidPriorityError",
+    "InvalidPromptError", "InvalidTokenIdError", "PromptTooLongError", "QueueFullError", "RequestFailedError",
     "RequestRejectedError",
 ]
 
 
-class EngineNotRunningError(RuntimeError):
-    """The engine was not started, or has been shut down."""
+class InvalidPromptError(RequestRejectedError, TypeError):
+    """The prompt is neither a string nor a list of token ids (also a TypeError)."""
+
+    code = "invalid_prompt"
 
 
-class EngineDrainingError(RuntimeError):
+class InvalidMessagesError(RequestRejectedError):
+    """Chat messages the template cannot render (bad roles or content, or the template refused them)."""
+
+    code = "invalid_messages"
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take requests right now (HTTP 503)."""
+
+    reason: str | None = None  # not counted as a rejection of the request itself
+    http_status = 503
+    code = "unavailable"
+
+
+class EngineNotRunningError(EngineUnavailableError):
+    """The engine was not started (or is still loading), or has been shut down."""
+
+    code = "loading"
+
+
+class EngineDrainingError(EngineUnavailableError):
     """The engine is draining for shutdown and accepts no new requests."""
 
+    reason = "draining"
+    code = "draining"
 
-class EngineDeadError(RuntimeError):
+
+class EngineDeadError(EngineUnavailableError):
     """The engine loop stopped and can make no more progress."""
+
+    code = "unhealthy"
 
 
 class RequestFailedError(RuntimeError):

@@ -4,13 +4,19 @@ Never imports mlx or metrale; depends only on kvcache's pure-Python accounting.
 """
 
 from scheduler.config import SchedulerConfig
-from scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from scheduler.errors import (DuplicateRequestError, EmptyPromptError, InvalidParamsError, InvalidPriorityError,
+                              InvalidTokenIdError, PromptTooLongError, QueueFullError, RequestRejectedError)
 from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "DuplicateRequestError",
+    "EmptyPromptError",
+    "InvalidParamsError",
+    "InvalidPriorityError",
+    "InvalidTokenIdError",
+    "PromptTooLongError",
     "QueueFullError",
     "Request",
     "RequestEvent",

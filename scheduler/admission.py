@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvcache.manager import KVCacheManager
 from scheduler.config import SchedulerConfig
-from scheduler.errors import RequestRejectedError
+from scheduler.errors import (EmptyPromptError, InvalidParamsError, InvalidPriorityError, InvalidTokenIdError,
+                              PromptTooLongError)
 from scheduler.request import Request, RequestStatus
 
 
@@ -12,38 +13,38 @@ def check_admissible(request: Request, config: SchedulerConfig, kv: KVCacheManag
     """Raise RequestRejectedError, with the numbers, if `request` can never be served."""
     rid = request.request_id
     if not isinstance(rid, str) or not rid:
-        raise RequestRejectedError(f"request_id must be a non-empty str, got {rid!r}")
+        raise InvalidParamsError(f"request_id must be a non-empty str, got {rid!r}")
     if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
-        raise RequestRejectedError(
+        raise InvalidParamsError(
             f"request {rid!r} was already scheduled ({request.status.name}, "
             f"{request.num_computed_tokens} computed tokens)"
         )
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
-        raise RequestRejectedError(
+        raise InvalidPriorityError(
             f"request {rid!r}: priority must be an int, got {request.priority!r}"
         )
     if not isinstance(request.arrival_time, (int, float)):
-        raise RequestRejectedError(
+        raise InvalidParamsError(
             f"request {rid!r}: arrival_time must be a number, got {request.arrival_time!r}"
         )
     n_prompt, max_tokens = request.num_prompt_tokens, request.max_tokens
     if n_prompt == 0:
-        raise RequestRejectedError(f"request {rid!r}: prompt is empty (0 tokens)")
+        raise EmptyPromptError(f"request {rid!r}: prompt is empty (0 tokens)")
     if min(request.prompt_token_ids) < 0:
-        raise RequestRejectedError(
+        raise InvalidTokenIdError(
             f"request {rid!r}: prompt has a negative token id ({min(request.prompt_token_ids)})"
         )
     _check_lengths(request)
     limit = config.max_model_len
-    if n_prompt + max_tokens > limit:
-        raise RequestRejectedError(
+    if limit is not None and n_prompt + max_tokens > limit:
+        raise PromptTooLongError(
             f"request {rid!r}: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
             f"{n_prompt + max_tokens} exceeds max_model_len ({limit})"
         )
     # The last sampled token is never fed back, so KV holds at most prompt + max_tokens - 1.
     needed = kv.num_blocks_for(n_prompt + max_tokens - 1)
     if needed > kv.num_blocks:
-        raise RequestRejectedError(
+        raise PromptTooLongError(
             f"request {rid!r}: needs {needed} KV blocks of {kv.block_size} tokens for "
             f"{n_prompt + max_tokens - 1} tokens, but the whole pool has {kv.num_blocks}"
         )
@@ -52,19 +53,19 @@ def check_admissible(request: Request, config: SchedulerConfig, kv: KVCacheManag
 def _check_lengths(request: Request) -> None:
     rid, max_tokens, min_tokens = request.request_id, request.max_tokens, request.min_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise RequestRejectedError(
+        raise InvalidParamsError(
             f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}"
         )
     if request.num_output_tokens >= max_tokens:
-        raise RequestRejectedError(
+        raise InvalidParamsError(
             f"request {rid!r}: already has {request.num_output_tokens} output tokens, "
             f"max_tokens is {max_tokens}"
         )
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
-        raise RequestRejectedError(
+        raise InvalidParamsError(
             f"request {rid!r}: min_tokens must be an int, got {min_tokens!r}"
         )
     if not 0 <= min_tokens <= max_tokens:
-        raise RequestRejectedError(
+        raise InvalidParamsError(
             f"request {rid!r}: min_tokens must be in 0..max_tokens ({max_tokens}), got {min_tokens}"
         )

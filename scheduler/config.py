@@ -22,7 +22,9 @@ class SchedulerConfig:
     Attributes:
         max_num_seqs: most requests running (holding KV blocks) at once.
         max_num_batched_tokens: per-step token budget, summed over all scheduled requests.
-        max_model_len: most tokens (prompt + max_tokens) a request may ever hold.
+        max_model_len: most tokens (prompt + max_tokens) a request may ever hold; None sets no
+            limit of its own (the KV pool still bounds a request). The engine sets it at start
+            from the model's context length when the user left it None.
         max_waiting: bound on the waiting queue; `add` raises QueueFullError beyond it.
         policy: "fcfs" (arrival order) or "priority" (lower `priority` first, then arrival).
         block_size: tokens per KV block; must match the KVCacheManager's.
@@ -30,8 +32,8 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
     max_waiting: int = 1024
     policy: Literal["fcfs", "priority"] = "fcfs"
     block_size: int = 16
@@ -40,7 +42,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_int("max_model_len", self.max_model_len, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
         _check_int("max_waiting", self.max_waiting, 1)
         _check_int("block_size", self.block_size, 1)
         if self.max_num_batched_tokens < self.max_num_seqs:

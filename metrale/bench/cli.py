@@ -129,7 +129,7 @@ def make_requests(args: argparse.Namespace, engine: Any, num: int, seed: int, ma
         count = (lambda text: len(engine.tokenizer.encode(text))) if engine is not None else workloads.estimate_tokens
         output_len = args.sharegpt_output_len if max_output is None else max_output
         return workloads.load_sharegpt(args.dataset_path, num, seed=seed, count_tokens=count, output_len=output_len)
-    vocab = engine._runner.model_config.vocab_size if engine is not None else None
+    vocab = engine.vocab_size if engine is not None else None
     return workloads.random_requests(num, args.random_input_len, out_len, seed=seed,
                                      range_ratio=args.random_range_ratio, vocab_size=vocab)
 

@@ -136,7 +136,7 @@ def verdict(result: dict[str, Any], settings: SoakSettings) -> tuple[str, list[s
 async def soak(engine: Any, settings: SoakSettings = SoakSettings()) -> dict[str, Any]:
     """Run the soak on a started engine; returns samples, idle checks, counts and the verdict."""
     target = EngineTarget(engine, name="metrale-soak")
-    vocab = engine._runner.model_config.vocab_size
+    vocab = engine.vocab_size
     t0 = time.perf_counter()
     baseline = snapshot(engine, t0)
     samples: list[dict[str, Any]] = []

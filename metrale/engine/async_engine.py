@@ -4,37 +4,45 @@
         async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
             print(out.text, end="")
 
-Submission (`generate`, `chat`) is synchronous: it tokenizes, validates and queues, raising a clear
-error and changing nothing on bad input. Iterating the returned stream is what waits.
+Submission (`generate`, `chat`) is synchronous: it tokenizes, validates and queues, raising a typed
+rejection (metrale.errors) and changing nothing on bad input. Iterating the returned stream is what
+waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
-from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError,
-                            EngineNotRunningError, QueueFullError, RequestRejectedError)
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
-from metrale.outputs import CompletionResult, EngineStats, Usage
 from metrale.engine.request_state import RequestState
-from metrale.engine.runner import ModelRunner
-from metrale.sampling_params import SamplingParams
+from metrale.engine.runner import ModelRunner, resolve_dtype
 from metrale.engine.stream import RequestStream
-from scheduler import Request, Scheduler, SchedulerConfig
+from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
+                            RequestRejectedError)
+from metrale.loading import LoadedModel, load_model
+from metrale.outputs import CompletionResult, EngineStats, Usage
+from metrale.sampling_params import SamplingParams
+from metrale.text.chat_template import ChatTemplate
+from metrale.text.processor import InputProcessor, OutputProcessor
+from metrale.text.tokenizer import Tokenizer
+from scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
-_DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_model_len is None
 
 
 def _model_label(model: str | None) -> str:
@@ -50,12 +58,14 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, registry: CollectorRegistry | None = None) -> None:
         self.config = config or EngineConfig()
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = EngineMetrics(self.registry, model_name=_model_label(self.config.model),
-                                     max_model_len=self.config.max_model_len or _DEFAULT_MAX_MODEL_LEN)
+        self.metrics = EngineMetrics(self.registry, model_name=_model_label(self.config.model))
         self._state = "stopped"  # stopped -> loading -> serving -> draining -> stopped
         self._mlx: MLXThread | None = None
         self._runner: ModelRunner | None = None
         self._core: EngineCore | None = None
+        self._inputs: InputProcessor | None = None
+        self._outputs: OutputProcessor | None = None
+        self._max_model_len = 0  # resolved at start
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -70,12 +80,17 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._mlx = MLXThread()
         try:
-            self._runner = await self._mlx.run(ModelRunner.load, self.config)
+            loaded = await self._mlx.run(load_model, self.config.model, dtype=resolve_dtype(self.config.dtype))
+            self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config)
         except BaseException:
             self._mlx.shutdown()
             self._state = "stopped"
             raise
-        self._core = EngineCore(self._build_scheduler(self._runner), self._runner, self._mlx, self.metrics)
+        self._init_text(loaded)
+        self._max_model_len = self.config.max_model_len or min(
+            loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.metrics.set_max_model_len(self._max_model_len)
+        self._core = EngineCore(self._build_scheduler(), self._runner, self._mlx, self.metrics)
         self.metrics.set_info(model=self.model_name, dtype=self._runner.dtype_name,
                               kv_blocks=str(self._runner.kv_cache.num_blocks),
                               block_size=str(self.config.block_size))
@@ -83,19 +98,19 @@ class AsyncEngine:
         self._loop_task.add_done_callback(self._on_loop_done)
         self._state = "serving"
         logger.info("engine serving %s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
-                    self._runner.kv_cache.num_blocks, self.config.block_size, self.max_model_len)
+                    self._runner.kv_cache.num_blocks, self.config.block_size, self._max_model_len)
         return self
 
-    def _build_scheduler(self, runner: ModelRunner) -> Scheduler:
-        cfg = self.config
-        model_len = cfg.max_model_len or min(runner.model_config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
-        self._max_model_len = model_len
-        kv = KVCacheManager(num_blocks=runner.kv_cache.num_blocks, block_size=cfg.block_size,
-                            enable_prefix_caching=cfg.enable_prefix_caching)
-        return Scheduler(SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=model_len, max_waiting=cfg.max_waiting, policy=cfg.policy,
-            block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching), kv)
+    def _init_text(self, loaded: LoadedModel) -> None:
+        template = ChatTemplate.for_tokenizer(loaded.tokenizer, loaded.config.architecture)
+        self._inputs = InputProcessor(loaded.tokenizer, template, loaded.config.vocab_size)
+        self._outputs = OutputProcessor(loaded.tokenizer)
+
+    def _build_scheduler(self) -> Scheduler:
+        scheduler_config = dataclasses.replace(self.config.scheduler, max_model_len=self._max_model_len)
+        kv = KVCacheManager(num_blocks=self._runner.kv_cache.num_blocks, block_size=scheduler_config.block_size,
+                            enable_prefix_caching=scheduler_config.enable_prefix_caching)
+        return Scheduler(scheduler_config, kv)
 
     def _on_loop_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -136,30 +151,21 @@ class AsyncEngine:
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Queue a request and return its stream. Raises ValueError (bad input, too long),
-        QueueFullError, EngineDrainingError or EngineNotRunningError; nothing is queued then."""
-        runner = self._accepting()
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt_ids = self._prompt_ids(prompt, runner)
-        return self._submit(prompt_ids, params, request_id, priority)
+        """Queue a request and return its stream. Raises a RequestRejectedError (bad input, too long,
+        queue full, duplicate id) or an EngineUnavailableError (not running, draining, dead); nothing
+        is queued then."""
+        with self._counting_rejections():
+            inputs = self._accepting()
+            params = _checked_params(params)
+            return self._submit(inputs.prompt_ids(prompt), params, request_id, priority)
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Render the model's chat template over messages, then `generate` from it."""
-        ids = self.chat_prompt_ids(messages)
-        return self.generate(ids, params, request_id=request_id, priority=priority)
-
-    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt token ids `chat` would submit for messages (ValueError on bad messages)."""
-        runner = self._accepting()
-        try:
-            prompt = runner.chat_template.render(messages, add_generation_prompt=True)
-        except ValueError:
-            self.metrics.record_rejected("invalid_request")
-            raise
-        return runner.tokenizer.encode(prompt, add_special_tokens=False)
+        with self._counting_rejections():
+            inputs = self._accepting()
+            params = _checked_params(params)
+            return self._submit(inputs.chat_ids(messages), params, request_id, priority)
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0) -> CompletionResult:
@@ -179,7 +185,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (sync). Its stream ends with finish_reason "abort" at the next step
-        boundary, where its blocks are freed. False when the id is unknown or already finished."""
+        boundary, where its blocks are freed. On the engine's event loop: False when the id is
+        unknown or already finished. From another thread the abort is handed to the loop and True
+        means only that it was handed over."""
         if self._core is None or self._loop is None or self._loop.is_closed():
             return False
         try:
@@ -191,75 +199,72 @@ class AsyncEngine:
             return True
         return self._core.abort(request_id)
 
-    def _accepting(self) -> ModelRunner:
+    @contextlib.contextmanager
+    def _counting_rejections(self) -> Iterator[None]:
+        """Every refusal at submit time is counted once, by the reason its type carries."""
+        try:
+            yield
+        except (RequestRejectedError, EngineUnavailableError) as error:
+            if error.reason is not None:
+                self.metrics.record_rejected(error.reason)
+            raise
+        except (ValueError, TypeError):  # e.g. params that are not SamplingParams
+            self.metrics.record_rejected("invalid_request")
+            raise
+
+    def _accepting(self) -> InputProcessor:
         if self._state == "draining":
-            self.metrics.record_rejected("draining")
             raise EngineDrainingError("engine is draining for shutdown; not accepting requests")
-        if self._state != "serving" or self._runner is None or self._core is None:
+        if self._state != "serving" or self._inputs is None or self._core is None:
             raise EngineNotRunningError(f"engine is {self._state}; call start() first")
         if self._core.dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._core.dead!r}")
-        return self._runner
-
-    def _prompt_ids(self, prompt: str | Sequence[int], runner: ModelRunner) -> list[int]:
-        if isinstance(prompt, str):
-            ids = runner.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            vocab = runner.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                self.metrics.record_rejected("invalid_request")
-                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        else:
-            self.metrics.record_rejected("invalid_request")
-            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            self.metrics.record_rejected("invalid_request")
-            raise ValueError("prompt is empty")
-        return ids
+        return self._inputs
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
                 priority: int) -> RequestStream:
-        core = self._core
-        runner = self._runner
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
             request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=params.max_tokens,
-            eos_token_ids=runner.tokenizer.eos_token_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
+            eos_token_ids=self._inputs.tokenizer.eos_token_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, priority=priority)
-        state = RequestState(request_id, params, len(prompt_ids), runner.new_detokenizer(prompt_ids, params.skip_special_tokens))
-        try:
-            core.add(request, state)
-        except QueueFullError:
-            self.metrics.record_rejected("queue_full")
-            raise
-        except DuplicateRequestError:
-            self.metrics.record_rejected("invalid_request")
-            raise
-        except RequestRejectedError:
-            self.metrics.record_rejected("too_long")
-            raise
-        except ValueError:
-            self.metrics.record_rejected("invalid_request")
-            raise
+        state = RequestState(request_id, params, len(prompt_ids), self._outputs.new_request(prompt_ids, params))
+        self._core.add(request, state)
         return RequestStream(state.channel, self.abort)
 
-    # ---- introspection ----
+    # ---- introspection (metrale.engine.protocol.EngineClient) ----
 
     @property
     def model_name(self) -> str:
-        return self._runner.model_name if self._runner is not None else (self.config.model or "default")
+        return self._runner.model_name if self._runner is not None else _model_label(self.config.model)
 
     @property
     def max_model_len(self) -> int:
-        return getattr(self, "_max_model_len", 0)
+        """Prompt + output tokens a request may hold; 0 until the engine has started."""
+        return self._max_model_len
 
     @property
-    def tokenizer(self):
-        if self._runner is None:
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (for counting tokens, building prompts)."""
+        if self._inputs is None:
             raise EngineNotRunningError("engine not started")
-        return self._runner.tokenizer
+        return self._inputs.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (the width of its logits)."""
+        if self._inputs is None:
+            raise EngineNotRunningError("engine not started")
+        return self._inputs.vocab_size
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.decode([token_id]) for token_id in token_ids]
+
+    def record_rejected(self, reason: str) -> None:
+        self.metrics.record_rejected(reason)
+
+    def metrics_exposition(self) -> bytes:
+        return generate_latest(self.registry)
 
     def health(self) -> str:
         """"loading" | "serving" | "draining" | "unhealthy" | "stopped"."""
@@ -284,3 +289,11 @@ class AsyncEngine:
         if self._core is None:
             raise EngineNotRunningError("engine not started")
         self._core.scheduler.check_integrity()
+
+
+def _checked_params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    return params

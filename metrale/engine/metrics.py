@@ -80,11 +80,12 @@ class EngineMetrics:
     """All `metrale_*` series of one engine, registered in one registry.
 
     `registry` None means a fresh `CollectorRegistry` (never the process-global default unless it is
-    passed). `max_model_len` bounds the 1-2-5 buckets of the prompt and generation length histograms.
+    passed). The prompt and generation length histograms have 1-2-5 buckets up to the engine's
+    max_model_len, which is known only once the model is loaded: `set_max_model_len` registers them
+    then (a length observed before is an error).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "metrale",
-                 max_model_len: int = 8192) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "metrale") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         reg, label = self.registry, ["model_name"]
@@ -126,16 +127,25 @@ class EngineMetrics:
                                   "First scheduled to first token.", REQUEST_LATENCY_BUCKETS)
         self._decode = histogram("metrale_request_decode_time_seconds",
                                  "First token to last token.", REQUEST_LATENCY_BUCKETS)
-        length_buckets = build_1_2_5_buckets(max_model_len)
-        self._prompt_len = histogram("metrale_request_prompt_tokens",
-                                     "Prompt length of finished requests, in tokens.", length_buckets)
-        self._generation_len = histogram("metrale_request_generation_tokens",
-                                         "Generated length of finished requests, in tokens.", length_buckets)
-        self._iteration_tokens = histogram("metrale_iteration_tokens_total",
+        self._prompt_len: Histogram | None = None  # set_max_model_len registers the length histograms
+        self._generation_len: Histogram | None = None
+        self._iteration_tokens = histogram("metrale_iteration_tokens",
                                            "Tokens in one engine step's forward pass.", ITERATION_TOKEN_BUCKETS)
         self._info = Info("metrale_build", "metrale build and engine configuration (value is always 1).",
                           registry=reg)
         self._info.info({"model_name": model_name})
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Register the length histograms with buckets up to `max_model_len` (once, at engine start)."""
+        if self._prompt_len is not None:
+            raise RuntimeError("set_max_model_len was already called")
+        buckets = build_1_2_5_buckets(max_model_len)
+        reg, label = self.registry, ["model_name"]
+        self._prompt_len = Histogram("metrale_request_prompt_tokens", "Prompt length of finished requests, in tokens.",
+                                     label, buckets=buckets, registry=reg).labels(self.model_name)
+        self._generation_len = Histogram("metrale_request_generation_tokens",
+                                         "Generated length of finished requests, in tokens.",
+                                         label, buckets=buckets, registry=reg).labels(self.model_name)
 
     def record_iteration(self, stats: IterationStats) -> None:
         """Account one engine step: gauges, token counters, TTFT and ITL samples, step size."""
@@ -173,6 +183,8 @@ class EngineMetrics:
         if stats.num_generation_tokens > 0:
             self._prefill.observe(stats.prefill_time_s)
             self._decode.observe(stats.decode_time_s)
+        if self._prompt_len is None or self._generation_len is None:
+            raise RuntimeError("record_finished before set_max_model_len: the length buckets are not known yet")
         self._prompt_len.observe(stats.num_prompt_tokens)
         self._generation_len.observe(stats.num_generation_tokens)
 

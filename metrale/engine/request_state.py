@@ -1,4 +1,4 @@
-"""The engine's per-request state on the event-loop side: text, stop strings, timings, its channel.
+"""The engine's per-request state on the event-loop side: its text, timings and channel.
 
 The scheduler's `Request` owns token ids and KV progress; this owns everything that turns tokens into
 what the consumer sees. Created at submit, dropped when the final delta is pushed.
@@ -9,11 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from metrale.text.detokenizer import IncrementalDetokenizer
+from metrale.engine.stream import OutputChannel
 from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.sampling_params import SamplingParams
-from metrale.text.stop import StopStringMatcher
-from metrale.engine.stream import OutputChannel
+from metrale.text.processor import RequestText
 
 
 @dataclass(slots=True)
@@ -35,37 +34,25 @@ class TextDelta:
 
 
 class RequestState:
-    """Turns a request's new token ids into stream deltas: detokenizes, matches stop strings."""
+    """Turns a request's new token ids into stream deltas through its RequestText."""
 
-    __slots__ = ("request_id", "params", "channel", "num_prompt_tokens", "num_output_tokens",
-                 "times", "_detokenizer", "_stop_matcher")
+    __slots__ = ("request_id", "params", "channel", "num_prompt_tokens", "num_output_tokens", "times", "_text")
 
-    def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int,
-                 detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int, text: RequestText) -> None:
         self.request_id = request_id
         self.params = params
         self.channel = OutputChannel(request_id)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
         self.times = RequestTimes()
-        self._detokenizer = detokenizer
-        self._stop_matcher = (StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)
-                              if params.stop_strings else None)
+        self._text = text
 
     def on_tokens(self, token_ids: tuple[int, ...], finish_reason: str | None,
                   hide_last_token: bool, logprobs: list[TokenLogprob] | None) -> TextDelta:
         """Detokenize new ids (the stop token id, if any, is counted but never becomes text)."""
         self.num_output_tokens += len(token_ids)
         text_ids = token_ids[:-1] if hide_last_token else token_ids
-        text = self._detokenizer.push(text_ids) if text_ids else ""
-        if finish_reason is not None:
-            text += self._detokenizer.flush()
-        matched = False
-        if self._stop_matcher is not None:
-            text, matched = self._stop_matcher.feed(text)
-            if finish_reason is not None and not matched:
-                text += self._stop_matcher.flush()
-                matched = self._stop_matcher.matched
+        text, matched = self._text.push(text_ids, final=finish_reason is not None)
         if matched:
             finish_reason = "stop"
         output = RequestOutput(request_id=self.request_id, token_ids=list(token_ids), text=text,
@@ -75,11 +62,7 @@ class RequestState:
 
     def final_output(self, finish_reason: str) -> RequestOutput:
         """The last delta of a request ended outside a step's tokens (abort, error)."""
-        text = ""
-        if finish_reason != "abort":  # an abort drops held-back text; an error delivers it
-            text = self._detokenizer.flush()
-            if self._stop_matcher is not None:
-                text = self._stop_matcher.feed(text)[0] + self._stop_matcher.flush()
+        text = "" if finish_reason == "abort" else self._text.flush()  # an abort drops held-back text
         return RequestOutput(request_id=self.request_id, token_ids=[], text=text,
                              finish_reason=finish_reason, num_prompt_tokens=self.num_prompt_tokens,
                              num_output_tokens=self.num_output_tokens)

@@ -6,7 +6,10 @@ plain Python goes out (one token id per sampling request):
     SchedulerOutput --AttentionMetadata.build--> token_ids (T,) positions (T,) slot_mapping (T,) ...
         model(token_ids, positions, kv_cache, metadata) -> hidden (T, D)
         logits = model.compute_logits(hidden[sample_index])                     (S', V)
-        sampler.sample(logits, batch) -> S' token ids, one evaluation, one .tolist()
+        mx.eval(logits, pools)           the forward and this step's K/V writes together
+        sampler.sample(logits, batch)    -> S' token ids (a second, small evaluation and one .tolist())
+
+It owns the model, the KV pools and the sampler, nothing of the text front-end.
 """
 
 from __future__ import annotations
@@ -15,14 +18,12 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+from kernels.backend import Backends, select_backends
 from kernels.runtime import mx
-
 from kvcache.attention import AttentionMetadata
 from kvcache.storage import PagedKVCache
-from metrale.text.chat_template import ChatTemplate, default_builtin
 from metrale.config import EngineConfig
 from metrale.loading import LoadedModel, load_model
-from metrale.text.detokenizer import IncrementalDetokenizer
 from metrale.outputs import TokenLogprob
 from metrale.sampling.sampler import Sampler
 from metrale.sampling_params import SamplingParams
@@ -61,43 +62,34 @@ def resolve_dtype(name: str) -> mx.Dtype:
     return _DTYPES[name]
 
 
-def chat_template_for(loaded: LoadedModel) -> ChatTemplate:
-    """The model's own chat template, or the built-in that fits its architecture."""
-    tok = loaded.tokenizer
-    bos = tok.bos_token or ""
-    eos = tok.eos_tokens[0] if tok.eos_tokens else ""
-    if tok.chat_template:
-        return ChatTemplate(tok.chat_template, bos_token=bos, eos_token=eos)
-    name = default_builtin(loaded.config.architecture, tok.special_tokens)
-    return ChatTemplate.builtin(name, bos_token=bos or None, eos_token=eos or None)
-
-
 class ModelRunner:
     """Owns the model, the KV pools and the sampler; executes steps."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int) -> None:
+    def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.chat_template = chat_template_for(loaded)
         self.model_name = loaded.path.stem
         self.load_seconds = loaded.load_seconds
         self.kv_cache = kv_cache
-        dtype = loaded.dtype
-        self.dtype_name = str(dtype).removeprefix("mlx.core.")
-        self.sampler = Sampler(self.model_config.vocab_size, eos_token_ids=self.tokenizer.eos_token_ids, seed=seed)
+        self.backends = backends  # decided once, at load
+        self.dtype_name = str(loaded.dtype).removeprefix("mlx.core.")
+        self.sampler = Sampler(self.model_config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, seed=seed)
 
     @classmethod
-    def load(cls, config: EngineConfig) -> "ModelRunner":
-        """Load weights, tokenizer and chat template; allocate the KV pools from the budget."""
-        loaded = load_model(config.model, dtype=resolve_dtype(config.dtype))
+    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig) -> "ModelRunner":
+        """Allocate the KV pools from the budget and choose the kernels for a loaded model."""
         mc = loaded.config
         kv_cache = PagedKVCache.from_budget(config.kv_cache_bytes, mc.num_hidden_layers, config.block_size,
                                             mc.num_key_value_heads, mc.head_dim, loaded.dtype)
-        return cls(loaded, kv_cache, config.seed)
+        backends = select_backends()
+        logger.info("kernels: %s", backends.describe())
+        return cls(loaded, kv_cache, config.seed, backends)
 
-    def new_detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True):
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+    @classmethod
+    def load(cls, config: EngineConfig) -> "ModelRunner":
+        """Load the model of `config` and build its runner (tests and benchmarks; the engine keeps the
+        LoadedModel's tokenizer for its text front-end and calls `from_loaded`)."""
+        return cls.from_loaded(load_model(config.model, dtype=resolve_dtype(config.dtype)), config)
 
     def execute(self, step: StepInput) -> StepResult:
         """One forward over every scheduled token; samples where a request reaches its end."""
@@ -106,7 +98,8 @@ class ModelRunner:
             [len(s.token_ids) for s in scheduled],
             [s.start_position + len(s.token_ids) for s in scheduled],
             [s.block_table for s in scheduled],
-            self.kv_cache.block_size)
+            self.kv_cache.block_size,
+            backend=self.backends.attention)
         token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)  # (T,)
         hidden = self.model(token_ids, metadata.positions, self.kv_cache, metadata)  # (T, D)
         if not step.sampling_rows:  # only prompt chunks that sample nothing: just fill the pools

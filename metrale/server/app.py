@@ -20,8 +20,9 @@ import logging
 import time
 from typing import Any, Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from metrale.engine.protocol import EngineClient
 from metrale.server import completions
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, read_body, send_bytes, send_error,
                                  send_json)
@@ -33,7 +34,8 @@ _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path 
 
 
 class ServerApp:
-    """ASGI app serving `engine` (an AsyncEngine) over OpenAI's HTTP API.
+    """ASGI app serving `engine` (any metrale.engine.protocol.EngineClient, e.g. an AsyncEngine) over
+    OpenAI's HTTP API.
 
     api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (/health, /metrics stay open).
     served_model_name: the model id clients use; the engine's model name by default.
@@ -41,7 +43,7 @@ class ServerApp:
     on_fatal: called (no arguments) when the engine fails to start, so the process can exit.
     """
 
-    def __init__(self, engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
+    def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
                  manage_engine: bool = True,
                  on_fatal: Callable[[], None] | None = None) -> None:
@@ -94,7 +96,7 @@ class ServerApp:
             logger.debug("client disconnected before sending its body")
         except APIError as error:
             if error.reject_reason is not None:
-                self.engine.metrics.record_rejected(error.reject_reason)
+                self.engine.record_rejected(error.reject_reason)
             if started:
                 raise
             await send_error(send, error)
@@ -151,7 +153,7 @@ class ServerApp:
         await send_json(send, 200 if state == "serving" else 503, {"status": state})
 
     async def _metrics(self, send: Send) -> None:
-        body = generate_latest(self.engine.registry)
+        body = self.engine.metrics_exposition()
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
     def _model_card(self) -> dict[str, Any]:

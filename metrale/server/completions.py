@@ -25,6 +25,7 @@ from metrale.server import logprobs as lp
 from metrale.server import protocol
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, from_engine_error
+from metrale.engine.protocol import EngineClient
 from metrale.engine.stream import RequestStream
 
 try:
@@ -53,7 +54,7 @@ class _Call:
                 "system_fingerprint": FINGERPRINT}
 
 
-async def handle(engine: Any, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
+async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int) -> None:
     """Serve one completion request; raises APIError for anything refused before the response."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
@@ -81,7 +82,7 @@ async def handle(engine: Any, served_model: str, body: bytes, chat: bool, send: 
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
 
 
-async def _full_response(engine: Any, call: _Call, stream: RequestStream, send: Send) -> None:
+async def _full_response(engine: EngineClient, call: _Call, stream: RequestStream, send: Send) -> None:
     texts: list[str] = []
     logprobs: list = []
     last: RequestOutput | None = None
@@ -106,7 +107,7 @@ async def _full_response(engine: Any, call: _Call, stream: RequestStream, send: 
     await send_json(send, 200, {**call.envelope(chunk=False), "choices": [choice], "usage": _usage(last)})
 
 
-async def _stream_response(engine: Any, call: _Call, stream: RequestStream, send: Send) -> None:
+async def _stream_response(engine: EngineClient, call: _Call, stream: RequestStream, send: Send) -> None:
     sse = SSEResponse(send)
     await sse.start()
     if call.chat:
@@ -129,7 +130,7 @@ async def _stream_response(engine: Any, call: _Call, stream: RequestStream, send
     await sse.done()
 
 
-async def _send_delta(engine: Any, sse: SSEResponse, call: _Call, out: RequestOutput) -> None:
+async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, out: RequestOutput) -> None:
     logprobs = None
     if call.logprobs is not None and out.logprobs:
         logprobs = lp.render(engine, out.logprobs, call.chat, call.logprobs)

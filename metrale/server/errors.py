@@ -18,13 +18,14 @@ import re
 
 import msgspec
 
-from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError,
-                            EngineNotRunningError, QueueFullError, RequestRejectedError)
+from metrale.errors import EngineUnavailableError, QueueFullError, RequestRejectedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
 _MSGSPEC_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNAVAILABLE = {"draining": "server is shutting down and accepts no new requests",
+                "loading": "model is loading; retry shortly"}
 
 
 class APIError(Exception):
@@ -65,22 +66,16 @@ def from_decode_error(error: msgspec.DecodeError) -> APIError:
 def from_engine_error(error: Exception, param_names: tuple[str, ...] = ()) -> APIError | None:
     """Map an exception raised by `engine.generate`/`engine.chat` at submit time; None if not ours.
 
-    The engine already counted its own rejections, so these carry no `reject_reason`.
+    The engine's typed errors carry their status and code (metrale.errors); it has already counted
+    its own rejections, so these carry no `reject_reason`. Other ValueError / TypeError (e.g. bad
+    SamplingParams) are a 400 naming the field the message names.
     """
-    # Most specific first: the scheduler's rejection errors may subclass ValueError.
-    if isinstance(error, QueueFullError):
-        return APIError(429, f"server is busy: {error}", code="queue_full")
-    if isinstance(error, EngineDrainingError):
-        return APIError(503, "server is shutting down and accepts no new requests", code="draining")
-    if isinstance(error, EngineDeadError):
-        return APIError(503, f"engine is unhealthy: {error}", code="unhealthy")
-    if isinstance(error, EngineNotRunningError):
-        return APIError(503, "model is loading; retry shortly", code="loading")
-    if isinstance(error, DuplicateRequestError):
-        return APIError(400, str(error), code="duplicate_request_id")
-    if isinstance(error, RequestRejectedError) and ("max_model_len" in str(error) or "KV blocks" in str(error)):
-        return APIError(400, str(error), code="context_length_exceeded")
-    if isinstance(error, (ValueError, TypeError)):  # incl. other RequestRejectedErrors
+    if isinstance(error, EngineUnavailableError):
+        return APIError(error.http_status, _UNAVAILABLE.get(error.code, str(error)), code=error.code)
+    if isinstance(error, RequestRejectedError):
+        message = f"server is busy: {error}" if isinstance(error, QueueFullError) else str(error)
+        return APIError(error.http_status, message, param=guess_param(str(error), param_names), code=error.code)
+    if isinstance(error, (ValueError, TypeError)):
         message = str(error)
         return APIError(400, message, param=guess_param(message, param_names))
     return None

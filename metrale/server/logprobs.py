@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from metrale.engine.protocol import EngineClient
 from metrale.outputs import TokenLogprob
 
 
-def render(engine: Any, logprobs: Sequence[TokenLogprob], chat: bool, top_n: int) -> dict[str, Any]:
+def render(engine: EngineClient, logprobs: Sequence[TokenLogprob], chat: bool, top_n: int) -> dict[str, Any]:
     """One choice's `logprobs` object for these tokens; `top_n` alternatives per token at most."""
-    tokenizer = engine.tokenizer
+    ids = {item.token_id for item in logprobs} | {tid for item in logprobs for tid, _ in item.top[:top_n]}
+    texts = dict(zip(ids, engine.token_texts(list(ids))))
 
     def text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
+        return texts[token_id]
 
     if chat:
         return {"content": [

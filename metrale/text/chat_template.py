@@ -1,8 +1,8 @@
 """Chat templates: the model's own jinja template, rendered the way Hugging Face renders it.
 
-A template comes from the GGUF metadata (`tokenizer.chat_template`), from a model folder
-(chat_template.jinja, chat_template.json or tokenizer_config.json), or, when the model brings
-none, from the built-ins below. Rendering uses what `transformers.apply_chat_template` uses: an
+A template comes with the model's tokenizer (metrale.text.tokenizer reads it from the GGUF metadata
+or from a model folder's chat_template.jinja, chat_template.json or tokenizer_config.json), or, when
+the model brings none, from the built-ins below (`ChatTemplate.for_tokenizer`). Rendering uses what `transformers.apply_chat_template` uses: an
 `ImmutableSandboxedEnvironment` with trim_blocks and lstrip_blocks, the loopcontrols extension,
 `raise_exception`, `strftime_now`, a `tojson` filter that keeps non-ASCII text, and the special
 tokens (bos_token, eos_token, ...) as variables. Each distinct template source is compiled once.
@@ -17,8 +17,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from jinja2 import nodes
 from jinja2.ext import Extension
@@ -91,6 +90,15 @@ _BUILTIN_TOKENS: dict[str, tuple[str, str]] = {  # name -> (bos_token, eos_token
 }
 
 
+class TemplateSource(Protocol):
+    """What a template is read from: the model's tokenizer (metrale.text.tokenizer.Tokenizer)."""
+
+    chat_template: str | None
+    bos_token: str | None
+    eos_tokens: tuple[str, ...]
+    special_tokens: tuple[str, ...]
+
+
 class ChatTemplateError(ValueError):
     """The template refused the messages (its raise_exception), e.g. roles that do not alternate."""
 
@@ -118,35 +126,15 @@ class ChatTemplate:
                    eos_token=default_eos if eos_token is None else eos_token)
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, fallback: str | None = None) -> "ChatTemplate":
-        """The GGUF's `tokenizer.chat_template`, or a built-in chosen from the architecture when absent."""
-        tokens = metadata.get("tokenizer.ggml.tokens") or []
-        bos = _token_at(tokens, metadata.get("tokenizer.ggml.bos_token_id"))
-        eos = _token_at(tokens, metadata.get("tokenizer.ggml.eos_token_id"))
-        source = metadata.get("tokenizer.chat_template")
-        if isinstance(source, str) and source.strip():
-            return cls(source, bos_token=bos, eos_token=eos)
-        name = fallback or default_builtin(str(metadata.get("general.architecture", "")), tokens)
+    def for_tokenizer(cls, tokenizer: TemplateSource, architecture: str) -> "ChatTemplate":
+        """The model's own template (read with its tokenizer from the GGUF metadata or the model
+        folder), or the built-in that fits its architecture and special tokens when it has none."""
+        bos = tokenizer.bos_token or ""
+        eos = tokenizer.eos_tokens[0] if tokenizer.eos_tokens else ""
+        if tokenizer.chat_template:
+            return cls(tokenizer.chat_template, bos_token=bos, eos_token=eos)
+        name = default_builtin(architecture, tokenizer.special_tokens)
         return cls.builtin(name, bos_token=bos or None, eos_token=eos or None)
-
-    @classmethod
-    def from_pretrained(cls, folder: str | Path, *, fallback: str | None = None) -> "ChatTemplate":
-        """From a Hugging Face model folder: chat_template.jinja, chat_template.json, tokenizer_config.json."""
-        folder = Path(folder)
-        config = _read_json(folder / "tokenizer_config.json")
-        source: Any = None
-        if (folder / "chat_template.jinja").is_file():
-            source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-        elif (folder / "chat_template.json").is_file():
-            source = _read_json(folder / "chat_template.json").get("chat_template")
-        else:
-            source = config.get("chat_template")
-        source = _pick_default(source)
-        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-        if source:
-            return cls(source, bos_token=bos, eos_token=eos)
-        model_type = str(_read_json(folder / "config.json").get("model_type", ""))
-        return cls.builtin(fallback or default_builtin(model_type, ()), bos_token=bos or None, eos_token=eos or None)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                tools: Sequence[Any] | None = None, **kwargs: Any) -> str:
@@ -245,32 +233,3 @@ def _environment() -> ImmutableSandboxedEnvironment:
 @functools.lru_cache(maxsize=32)
 def _compile(source: str) -> Any:
     return _environment().from_string(source)
-
-
-def _token_at(tokens: Sequence[str], token_id: Any) -> str:
-    if token_id is None:
-        return ""
-    index = int(token_id.item() if hasattr(token_id, "item") else token_id)  # GGUF scalars are mx.arrays
-    return tokens[index] if 0 <= index < len(tokens) else ""
-
-
-def _token_text(token: Any) -> str:
-    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
-    if isinstance(token, Mapping):
-        token = token.get("content")
-    return token if isinstance(token, str) else ""
-
-
-def _pick_default(source: Any) -> str | None:
-    """A template may be a list of {"name", "template"}: take "default" (HF's rule)."""
-    if isinstance(source, list):
-        named = {item.get("name"): item.get("template") for item in source if isinstance(item, Mapping)}
-        source = named.get("default")
-    return source if isinstance(source, str) and source.strip() else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}

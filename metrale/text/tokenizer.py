@@ -99,7 +99,8 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
         """From a model folder: tokenizer.json plus tokenizer_config.json, generation_config.json and
-        chat_template.jinja (or chat_template.json) where present."""
+        chat_template.jinja (or chat_template.json), which take precedence over tokenizer_config's
+        template, where present."""
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {folder}")
@@ -109,10 +110,10 @@ class Tokenizer:
             return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
 
         config = read_json("tokenizer_config.json")
-        jinja = folder / "chat_template.jinja"
-        if "chat_template" not in config and jinja.is_file():
+        jinja = folder / "chat_template.jinja"  # a standalone template wins, as in transformers
+        if jinja.is_file():
             config["chat_template"] = jinja.read_text(encoding="utf-8")
-        if "chat_template" not in config and "chat_template" in read_json("chat_template.json"):
+        elif "chat_template" in read_json("chat_template.json"):
             config["chat_template"] = read_json("chat_template.json")["chat_template"]  # multimodal processors
         return cls.from_file(
             folder / "tokenizer.json", tokenizer_config=config, generation_config=read_json("generation_config.json")

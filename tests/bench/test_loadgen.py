@@ -241,7 +241,7 @@ async def test_real_in_process_run_and_a_short_soak():
 
     config = EngineConfig(kv_cache_bytes=64 << 20, max_model_len=512, max_num_seqs=8)
     async with AsyncEngine(config) as engine:
-        vocab = engine._runner.model_config.vocab_size
+        vocab = engine.vocab_size
         target = EngineTarget(engine)
         requests = random_requests(3, 12, 4, seed=0, vocab_size=vocab) + chat_requests(1, 20, 5, 4)
         result = await run_benchmark(target, requests, BenchSettings(max_concurrency=4), show_progress=False,

@@ -27,7 +27,10 @@ METRIC = re.compile(r"\bmetrale_[a-z0-9_]+")
 
 
 def _sample_names() -> set[str]:
-    return {s.name for family in EngineMetrics().registry.collect() for s in family.samples}
+    """Every series a started engine exports (the length histograms appear at start)."""
+    metrics = EngineMetrics()
+    metrics.set_max_model_len(8192)
+    return {s.name for family in metrics.registry.collect() for s in family.samples}
 
 
 def _metric_names(text: str) -> set[str]:

@@ -11,23 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from metrale.text.chat_template import validate_messages
-from metrale.errors import EngineDrainingError, RequestRejectedError
+from metrale.errors import EngineDrainingError, PromptTooLongError
 from metrale.engine.metrics import EngineMetrics
-from metrale.outputs import RequestOutput
+from metrale.outputs import EngineStats, RequestOutput
 from metrale.sampling_params import SamplingParams
 from metrale.engine.stream import OutputChannel, RequestStream
 
 
-class FakeTokenizer:
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f"<{i}>" for i in ids)
-
-
 class FakeEngine:
-    """Emits `words` (one per 'step', `step_s` apart) up to max_tokens, then finishes with "length".
+    """A metrale.engine.protocol.EngineClient that emits `words` (one per 'step', `step_s` apart) up to max_tokens, then finishes with "length".
 
     `fail_after` makes a request fail after that many tokens; `reject` makes submission raise.
     """
@@ -40,7 +35,6 @@ class FakeEngine:
         self.model_name = "fake-model"
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, model_name=self.model_name)
-        self.tokenizer = FakeTokenizer()
         self.state = "serving"
         self.fail_after: int | None = None
         self.reject: Exception | None = None
@@ -51,23 +45,39 @@ class FakeEngine:
     def health(self) -> str:
         return self.state
 
-    def generate(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def stats(self) -> EngineStats:
+        return EngineStats(health=self.state, running=len(self.live), waiting=0, kv_blocks_total=0, kv_blocks_free=0,
+                           kv_usage=0.0, peak_kv_usage=0.0, num_preemptions=0, num_steps=0, prefix_cache_queries=0,
+                           prefix_cache_hits=0, requests_finished=0)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        return [f"<{i}>" for i in token_ids]
+
+    def record_rejected(self, reason: str) -> None:
+        self.metrics.record_rejected(reason)
+
+    def metrics_exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def generate(self, prompt: Any, params: SamplingParams, *, request_id: str | None = None,
+                 priority: int = 0) -> RequestStream:
         if self.state == "draining":
             raise EngineDrainingError("draining")
         if self.reject is not None:
             raise self.reject
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         if n_prompt + params.max_tokens > self.max_model_len:
-            raise RequestRejectedError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
+            raise PromptTooLongError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
                                        f"exceeds max_model_len ({self.max_model_len})")
         self.submitted.append((prompt, params))
         channel = OutputChannel(request_id)
         self.live[request_id] = asyncio.get_running_loop().create_task(self._run(channel, params, n_prompt))
         return RequestStream(channel, self.abort)
 
-    def chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def chat(self, messages: list[dict], params: SamplingParams, *, request_id: str | None = None,
+             priority: int = 0) -> RequestStream:
         checked = validate_messages(messages)  # the real engine's check
-        return self.generate(" ".join(m["content"] for m in checked), params, request_id)
+        return self.generate(" ".join(m["content"] for m in checked), params, request_id=request_id)
 
     def abort(self, request_id: str) -> bool:
         task = self.live.pop(request_id, None)

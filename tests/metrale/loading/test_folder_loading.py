@@ -22,7 +22,7 @@ from metrale import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
 from metrale.loading import ModelNotFoundError, load_model  # noqa: E402
 from metrale.loading import gguf as gguf_module  # noqa: E402
 from metrale.loading import hub as hub_module  # noqa: E402
-from metrale.engine.runner import chat_template_for  # noqa: E402
+from metrale.text.chat_template import ChatTemplate  # noqa: E402
 
 ATOL = 1e-4
 PROMPTS = random_prompts(101, [21, 1, 13])
@@ -142,7 +142,7 @@ def test_tokenizer_chat_template_and_eos_ids_from_the_folder(tmp_path):
     assert set(tok.eos_token_ids) == set(ref_tokenizer.eos_token_ids) == {0, 2}
     text = "<|im_start|>hello world<|im_end|>"
     assert tok.encode(text) == ref_tokenizer.encode(text)
-    rendered = chat_template_for(loaded).render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    rendered = ChatTemplate.for_tokenizer(loaded.tokenizer, loaded.config.architecture).render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 

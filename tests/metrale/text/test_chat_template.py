@@ -8,7 +8,11 @@ import json
 import jinja2
 import pytest
 
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+
 from metrale.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateError, validate_messages
+from metrale.text.tokenizer import Tokenizer
 
 from tests.metrale.text_helpers import gguf_metadata
 
@@ -22,7 +26,7 @@ CONVERSATION = [
 
 
 def test_default_model_template_from_gguf():
-    template = ChatTemplate.from_gguf_metadata(gguf_metadata())
+    template = ChatTemplate.for_tokenizer(Tokenizer.from_gguf_metadata(gguf_metadata()), "llama")
     assert template.special_tokens["bos_token"] == "<|im_start|>"
     assert template.special_tokens["eos_token"] == "<|im_end|>"
     assert template.render([{"role": "user", "content": "What is the capital of France?"}]) == (
@@ -124,19 +128,31 @@ def test_template_is_sandboxed_and_compiled_once():
     assert ChatTemplate(BUILTIN_TEMPLATES["chatml"])._template is ChatTemplate.builtin("chatml")._template
 
 
+def _write_word_tokenizer(folder, words):
+    """A minimal tokenizer.json (word level) so that Tokenizer.from_folder can read the folder."""
+    backend = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.add_special_tokens(words[:2])
+    backend.save(str(folder / "tokenizer.json"))
+
+
+def _from_folder(folder, architecture="llama"):
+    return ChatTemplate.for_tokenizer(Tokenizer.from_folder(folder), architecture)
+
+
 def test_from_pretrained_folder_and_fallbacks(tmp_path):
+    _write_word_tokenizer(tmp_path, ["<s>", "</s>", "hi"])
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": [{"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"},
                           {"name": "tool_use", "template": "tools"}],
         "bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}))
-    assert ChatTemplate.from_pretrained(tmp_path).render([{"role": "user", "content": "hi"}]) == "<s>hi"
+    assert _from_folder(tmp_path).render([{"role": "user", "content": "hi"}]) == "<s>hi"
     (tmp_path / "chat_template.jinja").write_text("J{{ eos_token }}")
-    assert ChatTemplate.from_pretrained(tmp_path).render([{"role": "user", "content": "hi"}]) == "J</s>"
+    assert _from_folder(tmp_path).render([{"role": "user", "content": "hi"}]) == "J</s>"
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
-    assert ChatTemplate.from_pretrained(bare).name == "gemma3"
-    assert ChatTemplate.from_gguf_metadata({"general.architecture": "qwen3"}).name == "qwen3"
-    assert ChatTemplate.from_gguf_metadata({"general.architecture": "llama"}).name == "chatml"
+    _write_word_tokenizer(bare, ["<unk>", "<pad>", "hi"])
+    assert _from_folder(bare, "gemma3_text").name == "gemma3"
+    assert _from_folder(bare, "qwen3").name == "qwen3"
+    assert _from_folder(bare, "llama").name == "chatml"
     with pytest.raises(ValueError, match="unknown built-in"):
         ChatTemplate.builtin("vicuna")

@@ -1,0 +1,61 @@
+"""EngineClient: the typed interface the server and the load generator use.
+
+`AsyncEngine` implements it; so do the test doubles (tests/server/fakes.py). Nothing above the engine
+reaches into its metrics object, registry, runner or tokenizer: what they need is a method here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from metrale.engine.stream import RequestStream
+from metrale.outputs import EngineStats
+from metrale.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine as a service sees it: lifecycle, submission, introspection."""
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name (known before loading: its file or folder name)."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens a request may hold (0 until the engine has started)."""
+
+    async def start(self) -> Any:
+        """Load the model and start serving."""
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop accepting requests; let in-flight ones finish for up to timeout_s; abort the rest."""
+
+    async def shutdown(self) -> None:
+        """Abort what is left and stop; leaves nothing running."""
+
+    def health(self) -> str:
+        """"loading" | "serving" | "draining" | "unhealthy" | "stopped"."""
+
+    def stats(self) -> EngineStats:
+        """A cheap snapshot of the engine's state."""
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request and return its stream; raises a typed rejection (metrale.errors)."""
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+             request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """`generate` over the model's chat template rendered for `messages`."""
+
+    def abort(self, request_id: str) -> bool:
+        """End a request at the next step boundary (its stream finishes with "abort")."""
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token decoded alone (for logprobs); a partial UTF-8 character renders as U+FFFD."""
+
+    def record_rejected(self, reason: str) -> None:
+        """Count a request the service refused before submitting it (a REJECT_REASONS label)."""
+
+    def metrics_exposition(self) -> bytes:
+        """The engine's Prometheus metrics in the text exposition format."""

@@ -1,0 +1,100 @@
+"""The text front-end of the engine, on the event-loop thread: the way in and the way out.
+
+    InputProcessor   prompt text / token ids / chat messages  ->  validated prompt token ids
+    OutputProcessor  makes each request's RequestText         :   new token ids  ->  text deltas
+                     (incremental detokenizer, then stop strings with their ambiguous tail held back)
+
+Bad input raises one of metrale.errors' typed rejections and changes nothing. Never imports mlx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from metrale.errors import EmptyPromptError, InvalidMessagesError, InvalidPromptError, InvalidTokenIdError
+from metrale.sampling_params import SamplingParams
+from metrale.text.chat_template import ChatTemplate
+from metrale.text.detokenizer import IncrementalDetokenizer
+from metrale.text.stop import StopStringMatcher
+from metrale.text.tokenizer import Tokenizer
+
+__all__ = ["InputProcessor", "OutputProcessor", "RequestText"]
+
+
+class InputProcessor:
+    """Encodes and validates what a request brings; `vocab_size` is the model's (its logits' width)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A text prompt encoded (with the special tokens the model adds), or token ids checked."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Sequence) and all(type(t) is int for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidTokenIdError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise InvalidPromptError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise EmptyPromptError("prompt is empty")
+        return ids
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        """The model's chat template over `messages` (with the generation prompt), encoded."""
+        try:
+            prompt = self.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
+        except ValueError as error:  # bad roles or content, or the template's raise_exception
+            raise InvalidMessagesError(str(error)) from error
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids:
+            raise EmptyPromptError("the chat template rendered an empty prompt")
+        return ids
+
+
+class OutputProcessor:
+    """Makes the per-request text state; holds the tokenizer the detokenizers decode with."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def new_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> "RequestText":
+        return RequestText(
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
+            StopStringMatcher(params.stop_strings, params.include_stop_str_in_output) if params.stop_strings else None)
+
+
+class RequestText:
+    """One request's token ids -> text: detokenize, then match stop strings."""
+
+    __slots__ = ("_detokenizer", "_stop_matcher")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop_matcher: StopStringMatcher | None) -> None:
+        self._detokenizer = detokenizer
+        self._stop_matcher = stop_matcher
+
+    def push(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
+        """Text of new ids, and whether a stop string matched (text after it is dropped). With
+        `final` (the request ends with these ids) everything held back is released."""
+        text = self._detokenizer.push(token_ids) if token_ids else ""
+        if final:
+            text += self._detokenizer.flush()
+        if self._stop_matcher is None:
+            return text, False
+        text, matched = self._stop_matcher.feed(text)
+        if final and not matched:
+            text += self._stop_matcher.flush()
+            matched = self._stop_matcher.matched
+        return text, matched
+
+    def flush(self) -> str:
+        """Text still held back, for a request that ends without new tokens (error)."""
+        text = self._detokenizer.flush()
+        if self._stop_matcher is not None:
+            text = self._stop_matcher.feed(text)[0] + self._stop_matcher.flush()
+        return text
