@@ -84,9 +84,9 @@ class PriorityQueue:
         raise ValueError(f"request {request.request_id!r} is not in the waiting queue")
 
 
-WaitingQueue = FCFSQueue | PriorityQueue
+WaitingQueue = FCFSQueue | PriorityQueue  # the interface both implement
 
 
-def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue:
+def make_waiting_queue(policy: str) -> WaitingQueue:
     """The waiting queue for a SchedulerConfig.policy."""
     return PriorityQueue() if policy == "priority" else FCFSQueue()

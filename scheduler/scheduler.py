@@ -23,7 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.admission import check_admissible
 from scheduler.errors import DuplicateRequestError, QueueFullError
 from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
-from scheduler.queue import make_waiting_queue
+from scheduler.queue import WaitingQueue, make_waiting_queue
 from scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -65,7 +65,7 @@ class Scheduler:
         else:
             self._urgency = lambda r: r.arrival_time
         self._running: list[Request] = []
-        self._waiting = make_waiting_queue(config.policy)
+        self._waiting: WaitingQueue = make_waiting_queue(config.policy)
         self.num_preemptions = 0  # total over the scheduler's life
 
     @property

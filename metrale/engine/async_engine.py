@@ -28,7 +28,6 @@ from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
-from metrale.engine.request_state import RequestState
 from metrale.engine.runner import ModelRunner, resolve_dtype
 from metrale.engine.stream import RequestStream
 from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
@@ -39,7 +38,7 @@ from metrale.sampling_params import SamplingParams
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
-from scheduler import Request, Scheduler
+from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_model_len is None
@@ -224,13 +223,9 @@ class AsyncEngine:
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
                 priority: int) -> RequestStream:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(
-            request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=params.max_tokens,
-            eos_token_ids=self._inputs.tokenizer.eos_token_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
-            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, priority=priority)
-        state = RequestState(request_id, params, len(prompt_ids), self._outputs.new_request(prompt_ids, params))
-        self._core.add(request, state)
-        return RequestStream(state.channel, self.abort)
+        channel = self._core.submit(request_id, prompt_ids, params, self._outputs.new_request(prompt_ids, params),
+                                    eos_token_ids=self._inputs.tokenizer.eos_token_ids, priority=priority)
+        return RequestStream(channel, self.abort)
 
     # ---- introspection (metrale.engine.protocol.EngineClient) ----
 

@@ -18,7 +18,10 @@ from metrale.errors import EngineDeadError
 from metrale.engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.request_state import RequestState
+from metrale.engine.stream import OutputChannel
 from metrale.engine.runner import ModelRunner, SamplingRow, StepInput, StepResult
+from metrale.sampling_params import SamplingParams
+from metrale.text.processor import RequestText
 from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -40,16 +43,23 @@ class EngineCore:
         self._mlx = mlx_thread
         self._pending_aborts: set[str] = set()
         self._wake = asyncio.Event()
-        self._num_preemptions_seen = 0
         self._prefix_seen = (0, 0)
 
     # ---- called by AsyncEngine (event-loop thread) ----
 
-    def add(self, request: Request, state: RequestState) -> None:
-        """Queue a request; raises the scheduler's rejection errors and changes nothing then."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, text: RequestText, *,
+               eos_token_ids: tuple[int, ...], priority: int = 0) -> OutputChannel:
+        """Queue a request and return the channel its deltas go to; raises the scheduler's typed
+        rejections and changes nothing then."""
+        request = Request(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=params.max_tokens,
+            eos_token_ids=eos_token_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, priority=priority)
+        state = RequestState(request_id, params, len(prompt_token_ids), text)
         self.scheduler.add(request)
-        self.states[request.request_id] = state
+        self.states[request_id] = state
         self._wake.set()
+        return state.channel
 
     def abort(self, request_id: str) -> bool:
         """Mark a request for abort; it ends at the next step boundary. False if unknown/finished."""
@@ -208,8 +218,6 @@ class EngineCore:
                           ttfts: tuple[float, ...], itls: tuple[float, ...]) -> None:
         kv = self.scheduler.kv_cache_manager
         self.peak_kv_usage = max(self.peak_kv_usage, kv.usage)
-        preemptions = self.scheduler.num_preemptions - self._num_preemptions_seen
-        self._num_preemptions_seen = self.scheduler.num_preemptions
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         seen_queries, seen_hits = self._prefix_seen
         self._prefix_seen = (queries, hits)
@@ -222,7 +230,7 @@ class EngineCore:
             num_batched_tokens=output.num_batched_tokens,
             time_to_first_tokens_s=ttfts,
             inter_token_latencies_s=itls,
-            num_preemptions=preemptions,
+            num_preemptions=len(output.preempted_request_ids),
             prefix_cache_queries=queries - seen_queries,
             prefix_cache_hits=hits - seen_hits,
         ))

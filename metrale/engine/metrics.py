@@ -96,8 +96,7 @@ class EngineMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, label, registry=reg).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, label, buckets=buckets, registry=reg).labels(model_name)
+        histogram = self._histogram
 
         self._running = gauge("metrale_requests_running", "Requests in the running batch.")
         self._waiting = gauge("metrale_requests_waiting", "Requests waiting to be scheduled.")
@@ -140,12 +139,13 @@ class EngineMetrics:
         if self._prompt_len is not None:
             raise RuntimeError("set_max_model_len was already called")
         buckets = build_1_2_5_buckets(max_model_len)
-        reg, label = self.registry, ["model_name"]
-        self._prompt_len = Histogram("metrale_request_prompt_tokens", "Prompt length of finished requests, in tokens.",
-                                     label, buckets=buckets, registry=reg).labels(self.model_name)
-        self._generation_len = Histogram("metrale_request_generation_tokens",
-                                         "Generated length of finished requests, in tokens.",
-                                         label, buckets=buckets, registry=reg).labels(self.model_name)
+        self._prompt_len = self._histogram("metrale_request_prompt_tokens",
+                                           "Prompt length of finished requests, in tokens.", buckets)
+        self._generation_len = self._histogram("metrale_request_generation_tokens",
+                                               "Generated length of finished requests, in tokens.", buckets)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)
 
     def record_iteration(self, stats: IterationStats) -> None:
         """Account one engine step: gauges, token counters, TTFT and ITL samples, step size."""

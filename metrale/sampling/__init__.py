@@ -3,7 +3,7 @@
     batch.py     host side: per-request SamplingParams -> the step's SamplingBatch (arrays built once)
     ops.py       device side: penalties, greedy, temperature / min_p / top_k / top_p, inverse CDF
     logprobs.py  raw log-probabilities of the sampled tokens and their top alternatives
-    sampler.py   Sampler: prepare (host) then sample (device), one evaluation per step
+    sampler.py   Sampler: prepare (host) then sample (device), one evaluation per step (rarely two)
 """
 
 from metrale.sampling.sampler import Sampler, SamplerOutput

@@ -2,7 +2,8 @@
 
 The runner builds a `SamplingBatch` from the step's rows once (`Sampler.prepare`, plain Python in,
 arrays out), then calls `Sampler.sample(logits, batch)`; both run on the MLX thread and the result
-comes back as Python ints after one evaluation. Rows are split on the host by the work they need:
+comes back as Python ints after one evaluation (two in a step with a top_p row whose nucleus may
+reach past its candidates, see below). Rows are split on the host by the work they need:
 
     logits (S, V) -> penalties and min_tokens bans, on the rows that have them
       greedy rows      argmax                                          temperature 0

@@ -22,3 +22,13 @@ async def wait_idle(engine, timeout_s: float = 30.0) -> None:
         if loop.time() > deadline:
             pytest.fail(f"engine not idle after {timeout_s} s: {engine.stats()}")
         await asyncio.sleep(0.01)
+
+
+async def collect(stream) -> tuple[list[int], str, str | None]:
+    """(token ids, text, finish_reason) of a whole stream."""
+    ids, text, finish = [], [], None
+    async for out in stream:
+        ids.extend(out.token_ids)
+        text.append(out.text)
+        finish = out.finish_reason
+    return ids, "".join(text), finish

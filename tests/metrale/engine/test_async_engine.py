@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from metrale import AsyncEngine, EngineConfig, RequestFailedError, SamplingParams
-from tests.metrale.engine_helpers import assert_clean, wait_idle
+from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
 
 pytestmark = [pytest.mark.real_model, pytest.mark.both_loops, pytest.mark.asyncio(loop_scope="module")]
 
@@ -25,15 +25,6 @@ async def engine():
     config = EngineConfig(kv_cache_bytes=256 << 20, max_num_seqs=64, max_num_batched_tokens=512)
     async with AsyncEngine(config) as eng:
         yield eng
-
-
-async def collect(stream):
-    ids, text, finish = [], [], None
-    async for out in stream:
-        ids.extend(out.token_ids)
-        text.append(out.text)
-        finish = out.finish_reason
-    return ids, "".join(text), finish
 
 
 async def test_chat_capital_of_france(engine):

@@ -1,0 +1,85 @@
+"""Fast doubles for the engine room: a runner with no model, a tokenizer of letters, a core to drive.
+
+FakeRunner follows ModelRunner's contract (StepInput in, StepResult out, on the MLX thread) with a
+rule instead of a model: the token sampled after a sequence is (its last token + 1) % vocab_size.
+FakeTokenizer decodes token i as the letter chr(97 + i % 26), so texts are easy to predict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from kvcache.manager import KVCacheManager
+from metrale.engine.core import EngineCore
+from metrale.engine.metrics import EngineMetrics
+from metrale.engine.mlx_thread import MLXThread
+from metrale.engine.runner import StepInput, StepResult
+from metrale.engine.stream import RequestStream
+from metrale.sampling_params import SamplingParams
+from metrale.text.processor import OutputProcessor
+from scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 64
+EOS = 63
+
+
+class FakeTokenizer:
+    eos_token_ids = (EOS,)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids if not (skip_special_tokens and i == EOS))
+
+
+@dataclass
+class FakeRunner:
+    """Samples (last token + 1) % VOCAB for every row; `before_step` may raise to fail a step."""
+
+    vocab_size: int = VOCAB
+    steps: list[StepInput] = field(default_factory=list)
+    before_step: Callable[[StepInput], None] | None = None
+
+    def execute(self, step: StepInput) -> StepResult:
+        self.steps.append(step)
+        if self.before_step is not None:
+            self.before_step(step)
+        sampled = {}
+        for row in step.sampling_rows:
+            last = row.output_token_ids[-1] if row.output_token_ids else row.prompt_token_ids[-1]
+            sampled[row.request_id] = (last + 1) % self.vocab_size
+        return StepResult(sampled)
+
+
+class FakeEngine:
+    """An EngineCore over a FakeRunner, with `submit` as AsyncEngine does it (no model, no text front-end
+    besides the detokenizer and stop strings)."""
+
+    def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 64, max_model_len: int = 256) -> None:
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_model_len=max_model_len, block_size=block_size)
+        kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+        self.runner = FakeRunner()
+        self.metrics = EngineMetrics(CollectorRegistry(), model_name="fake")
+        self.metrics.set_max_model_len(max_model_len)
+        self.mlx = MLXThread()
+        self.core = EngineCore(Scheduler(config, kv), self.runner, self.mlx, self.metrics)
+        self.outputs = OutputProcessor(FakeTokenizer())
+
+    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestStream:
+        params = params or SamplingParams(max_tokens=4)
+        channel = self.core.submit(request_id, list(prompt), params, self.outputs.new_request(prompt, params),
+                                   eos_token_ids=(EOS,))
+        return RequestStream(channel, self.core.abort)
+
+    def check_clean(self) -> None:
+        """Every request ended, every block free, accounting consistent."""
+        self.core.scheduler.check_integrity()
+        kv = self.core.scheduler.kv_cache_manager
+        assert self.core.num_unfinished == 0
+        assert kv.num_free_blocks == kv.num_blocks
+
+    def close(self) -> None:
+        self.mlx.shutdown()
