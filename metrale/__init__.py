@@ -33,16 +33,32 @@ _EXPORTS = {
     "RequestFailedError": "metrale.errors",
     "RequestRejectedError": "metrale.errors",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AsyncEngine",
+    "CompletionResult",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineDrainingError",
+    "EngineNotRunningError",
+    "EngineStats",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestOutput",
+    "RequestRejectedError",
+    "RequestStream",
+    "SamplingParams",
+    "TokenLogprob",
+    "Usage",
+]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
-    from metrale.config import EngineConfig  # noqa: F401
-    from metrale.engine.async_engine import AsyncEngine  # noqa: F401
-    from metrale.engine.stream import RequestStream  # noqa: F401
-    from metrale.errors import (  # noqa: F401EngineDeadError, EngineDrainingError, EngineNotRunningError, QueueFullError,
+    from metrale.config import EngineConfig
+    from metrale.engine.async_engine import AsyncEngine
+    from metrale.engine.stream import RequestStream
+    from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, QueueFullError,
                                 RequestFailedError, RequestRejectedError)
-    from metrale.outputs import CompletionResult, EngineStats, RequestOutput, TokenLogprob, Usage  # noqa: F401
-    from metrale.sampling_params import SamplingParams  # noqa: F401
+    from metrale.outputs import CompletionResult, EngineStats, RequestOutput, TokenLogprob, Usage
+    from metrale.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
