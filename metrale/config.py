@@ -31,6 +31,8 @@ class EngineConfig:
         float16 on GPU.
     kv_cache_bytes: the KV pool's fixed footprint, allocated once at start.
     seed: seeds the unseeded requests' sampling.
+    failpoints: faults to inject, as METRALE_FAILPOINTS spells them (metrale.failpoints); None reads
+        that variable when the engine starts.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
         max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
         model's context length, capped at 8192, when the engine starts.
@@ -40,6 +42,7 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_bytes: int = 1024 * MiB
     seed: int = 0
+    failpoints: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -70,5 +73,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"EngineConfig.model must be a path string or None, got {type(self.model).__name__}")
+        if self.failpoints is not None and not isinstance(self.failpoints, str):
+            raise ValueError(f"EngineConfig.failpoints must be a string or None, got {self.failpoints!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

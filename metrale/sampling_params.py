@@ -6,8 +6,8 @@ from JSON or a dict (`from_dict`, `from_json`) runs the same checks and raises m
 ValidationError, which is a ValueError too.
 
 Ranges follow OpenAI where OpenAI defines the knob (temperature [0, 2], presence/frequency penalty
-[-2, 2], top_logprobs 0..20) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1], repetition
-penalty > 0). Semantics of the penalties and of logprobs are documented in metrale/sampler.py.
+[-2, 2], top_logprobs 0..20) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1]); the repetition
+penalty is bounded to [0.01, 100], where float32 logits divided or multiplied by it stay finite. Semantics of the penalties and of logprobs are documented in metrale/sampler.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import msgspec
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
+# float32 logits divided / multiplied by the penalty stay finite and ordered inside this range
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -26,7 +28,8 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How one request samples and when it stops.
 
-    max_tokens: output tokens to generate at most (>= 1).
+    max_tokens: output tokens to generate at most (>= 1); None: as many as the context has room for
+        (max_model_len minus the prompt, and what the KV pool can hold).
     temperature: 0 (or below 1e-5) is greedy argmax; otherwise logits are divided by it. [0, 2].
     top_k: keep the k most likely tokens (ties with the k-th are kept); 0 or -1 turns it off.
     top_p: nucleus sampling, keep the smallest set of most likely tokens whose mass >= top_p. (0, 1].
@@ -38,7 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: token ids that end generation (the token is counted but not detokenized).
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     min_tokens: eos and stop_token_ids cannot be sampled before this many output tokens.
-    repetition_penalty: > 0; 1 is off. Divides positive / multiplies negative logits of every token
+    repetition_penalty: [0.01, 100]; 1 is off. Divides positive / multiplies negative logits of every token
         already in the prompt or the output (HF/vLLM semantics).
     presence_penalty, frequency_penalty: [-2, 2]; 0 is off. Subtracted from the logits of tokens
         already in the output: presence once, frequency once per occurrence (OpenAI semantics).
@@ -48,7 +51,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     skip_special_tokens: leave special tokens (e.g. <|im_end|>) out of the detokenized text.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -66,7 +69,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1, None)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
         _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_top_k(self.top_k)
         _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -77,9 +81,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         msgspec.structs.force_setattr(self, "stop_token_ids", _normalize_token_ids(self.stop_token_ids))
         _check_bool("ignore_eos", self.ignore_eos)
         _check_int("min_tokens", self.min_tokens, 0, None)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        _check_number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logprobs is not None:

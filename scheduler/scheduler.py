@@ -252,11 +252,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish(self, request_id: str, status: RequestStatus) -> RequestEvent | None:
+    def finish(self, request_id: str, status: RequestStatus, *, discard_cached: bool | None = None) -> RequestEvent | None:
         """End a request with a finished status and free its blocks: the one free path.
 
         Idempotent: unknown or already finished ids return None and change nothing. A request
-        finished between `schedule()` and `update()` is skipped by that update.
+        finished between `schedule()` and `update()` is skipped by that update. `discard_cached`
+        drops the prefix-cache hashes of its blocks (their KV may be unwritten: a failed step);
+        None means "when the status is FINISHED_ERROR".
 
         Returns:
             The request's finish event (no new tokens), or None.
@@ -270,16 +272,16 @@ class Scheduler:
             self._running.remove(req)
         else:
             self._waiting.remove(req)
-        self._release(req, status)
+        if discard_cached is None:
+            discard_cached = status is RequestStatus.FINISHED_ERROR
+        self._release(req, status, discard_cached)
         return RequestEvent(request_id, (), status.finish_reason)
 
-    def _release(self, req: Request, status: RequestStatus) -> None:
+    def _release(self, req: Request, status: RequestStatus, discard_cached: bool = False) -> None:
         # The caller removes `req` from the running list or the waiting queue.
         req.status = status
         del self._requests[req.request_id]
-        # KV of a failed step may be unwritten: don't let the prefix cache hand it out.
-        discard = status is RequestStatus.FINISHED_ERROR
-        self.kv_cache_manager.free(req.request_id, discard_cached=discard)
+        self.kv_cache_manager.free(req.request_id, discard_cached=discard_cached)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError with the numbers if scheduler or KV accounting is inconsistent."""

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,9 +31,10 @@ from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner, resolve_dtype
-from metrale.engine.stream import RequestStream
+from metrale.engine.stream import OutputChannel, RequestStream
 from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
-                            RequestRejectedError)
+                            PromptTooLongError, RequestRejectedError)
+from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import CompletionResult, EngineStats, Usage
 from metrale.sampling_params import SamplingParams
@@ -42,6 +45,9 @@ from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_model_len is None
+WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
+WATCHDOG_FACTOR = 50.0
+OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
 
 
 def _model_label(model: str | None) -> str:
@@ -68,6 +74,8 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._failpoints = Failpoints.from_env(self.config.failpoints, seed=self.config.seed)
+        self._tokenize_thread: ThreadPoolExecutor | None = None
 
     # ---- lifecycle ----
 
@@ -80,16 +88,18 @@ class AsyncEngine:
         self._mlx = MLXThread()
         try:
             loaded = await self._mlx.run(load_model, self.config.model, dtype=resolve_dtype(self.config.dtype))
-            self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config)
+            self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints)
         except BaseException:
             self._mlx.shutdown()
             self._state = "stopped"
             raise
-        self._init_text(loaded)
         self._max_model_len = self.config.max_model_len or min(
             loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self._init_text(loaded)
         self.metrics.set_max_model_len(self._max_model_len)
-        self._core = EngineCore(self._build_scheduler(), self._runner, self._mlx, self.metrics)
+        self._core = EngineCore(self._build_scheduler(), self._runner, self._mlx, self.metrics, self._failpoints)
+        if self._failpoints:
+            logger.warning("failpoints armed: %s", self._failpoints.points)
         self.metrics.set_info(model=self.model_name, dtype=self._runner.dtype_name,
                               kv_blocks=str(self._runner.kv_cache.num_blocks),
                               block_size=str(self.config.block_size))
@@ -102,8 +112,9 @@ class AsyncEngine:
 
     def _init_text(self, loaded: LoadedModel) -> None:
         template = ChatTemplate.for_tokenizer(loaded.tokenizer, loaded.config.architecture)
-        self._inputs = InputProcessor(loaded.tokenizer, template, loaded.config.vocab_size)
-        self._outputs = OutputProcessor(loaded.tokenizer)
+        self._inputs = InputProcessor(loaded.tokenizer, template, loaded.config.vocab_size,
+                                      max_model_len=self._max_model_len, failpoints=self._failpoints)
+        self._outputs = OutputProcessor(loaded.tokenizer, self._failpoints)
 
     def _build_scheduler(self) -> Scheduler:
         scheduler_config = dataclasses.replace(self.config.scheduler, max_model_len=self._max_model_len)
@@ -131,13 +142,15 @@ class AsyncEngine:
         """Abort what is left, stop the loop and the MLX thread. Leaves nothing running."""
         if self._state == "stopped":
             return
-        if self._core is not None and self._core.dead is None:
-            self._core.abort_all()
+        if self._core is not None:
+            self._core.abort_all()  # after the engine died this finds nothing left: die() ended everyone
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self._mlx is not None:
             await asyncio.to_thread(self._mlx.shutdown)
+        if self._tokenize_thread is not None:
+            self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
         self._state = "stopped"
 
     async def __aenter__(self) -> "AsyncEngine":
@@ -157,6 +170,31 @@ class AsyncEngine:
             inputs = self._accepting()
             params = _checked_params(params)
             return self._submit(inputs.prompt_ids(prompt), params, request_id, priority)
+
+    async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """What `generate` would encode for `prompt`, tokenized on a worker thread when the text is long,
+        so that the event loop never stalls on it (the server submits the ids it gets)."""
+        with self._counting_rejections():
+            inputs = self._accepting()
+            if isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
+                inputs.check_length(prompt)
+                return await self._off_loop(inputs.prompt_ids, prompt)
+            return inputs.prompt_ids(prompt)
+
+    async def chat_token_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """What `chat` would submit for `messages`; a long conversation is tokenized off the event loop."""
+        with self._counting_rejections():
+            inputs = self._accepting()
+            size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict)) \
+                if isinstance(messages, list) else 0
+            if size > OFF_LOOP_PROMPT_CHARS:
+                return await self._off_loop(inputs.chat_ids, messages, **template_kwargs)
+            return inputs.chat_ids(messages, **template_kwargs)
+
+    async def _off_loop(self, fn, *args: Any, **kwargs: Any) -> Any:
+        if self._tokenize_thread is None:  # one thread: a flood of huge prompts queues, it does not fan out
+            self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, functools.partial(fn, *args, **kwargs))
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              request_id: str | None = None, priority: int = 0) -> RequestStream:
@@ -182,11 +220,12 @@ class AsyncEngine:
                                 finish_reason=finish_reason, usage=Usage(num_prompt, len(token_ids)),
                                 logprobs=logprobs or None)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, channel: OutputChannel | None = None) -> bool:
         """Abort a request (sync). Its stream ends with finish_reason "abort" at the next step
         boundary, where its blocks are freed. On the engine's event loop: False when the id is
         unknown or already finished. From another thread the abort is handed to the loop and True
-        means only that it was handed over."""
+        means only that it was handed over. `channel` (a stream's own) makes the abort apply only to
+        the request that stream belongs to, never to a newer one reusing the id."""
         if self._core is None or self._loop is None or self._loop.is_closed():
             return False
         try:
@@ -194,9 +233,9 @@ class AsyncEngine:
         except RuntimeError:
             running_loop = None
         if running_loop is not self._loop:  # e.g. a stream collected on another thread
-            self._loop.call_soon_threadsafe(self._core.abort, request_id)
+            self._loop.call_soon_threadsafe(functools.partial(self._core.abort, request_id, channel))
             return True
-        return self._core.abort(request_id)
+        return self._core.abort(request_id, channel)
 
     @contextlib.contextmanager
     def _counting_rejections(self) -> Iterator[None]:
@@ -223,9 +262,22 @@ class AsyncEngine:
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
                 priority: int) -> RequestStream:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        channel = self._core.submit(request_id, prompt_ids, params, self._outputs.new_request(prompt_ids, params),
-                                    eos_token_ids=self._inputs.tokenizer.eos_token_ids, priority=priority)
-        return RequestStream(channel, self.abort)
+        text = self._outputs.new_request(prompt_ids, params, request_id)
+        channel = self._core.submit(request_id, prompt_ids, params, text, priority=priority,
+                                    eos_token_ids=self._inputs.tokenizer.eos_token_ids,
+                                    max_tokens=self._max_tokens(params, len(prompt_ids)))
+        return RequestStream(channel, functools.partial(self.abort, channel=channel))
+
+    def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """params.max_tokens, or when it is None the room left in the context and in the KV pool."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        pool_tokens = self._runner.kv_cache.num_slots
+        room = min(self._max_model_len - num_prompt_tokens, pool_tokens + 1 - num_prompt_tokens)
+        if room < 1:
+            raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output in "
+                                     f"max_model_len ({self._max_model_len})")
+        return max(room, params.min_tokens)
 
     # ---- introspection (metrale.engine.protocol.EngineClient) ----
 
@@ -262,10 +314,24 @@ class AsyncEngine:
         return generate_latest(self.registry)
 
     def health(self) -> str:
-        """"loading" | "serving" | "draining" | "unhealthy" | "stopped"."""
-        if self._core is not None and self._core.dead is not None:
+        """"loading" | "serving" | "draining" | "unhealthy" | "stopped". Unhealthy: the engine died, or
+        a step has run far past its expected time (the watchdog; it recovers if the step ends)."""
+        if self._core is not None and (self._core.dead is not None or self._step_stuck()):
             return "unhealthy"
         return self._state
+
+    def _step_stuck(self) -> bool:
+        started = self._core.step_started
+        if started is None:
+            return False
+        return time.monotonic() - started > max(WATCHDOG_MIN_S, WATCHDOG_FACTOR * self._core.mean_step_s)
+
+    async def wait_until_dead(self) -> BaseException | None:
+        """Wait for the engine loop to end: the error that killed it, or None when it was shut down."""
+        while self._loop_task is None:
+            await asyncio.sleep(0.1)
+        await asyncio.gather(self._loop_task, return_exceptions=True)
+        return self._core.dead if self._core is not None else None
 
     def stats(self) -> EngineStats:
         core = self._core

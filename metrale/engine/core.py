@@ -4,8 +4,13 @@ Everything here runs on the event-loop thread except `runner.execute`, which run
 One step is three calls:
 
     output = scheduler.schedule()                      # plain ids, counts, block tables
-    result = await mlx_thread.run(runner.execute, ...)  # the only place MLX runs
-    self._postprocess(output, result)                  # tokens -> text -> streams; finishes free blocks
+    outcome = await executor.execute(output, rows)     # the only place MLX runs; failures bisected
+    self._postprocess(output, outcome)                 # tokens -> text -> streams; finishes free blocks
+
+Faults are contained per request: a request whose forward fails alone (metrale.engine.executor), or
+whose own output processing raises (detokenize, stop strings, delivery), ends with an error and
+nothing else. The engine dies only on a broken invariant of its own, or when steps keep failing with
+no request succeeding (FATAL_FAILED_STEPS in a row): then every open stream ends with an error at once.
 """
 
 from __future__ import annotations
@@ -14,24 +19,27 @@ import asyncio
 import logging
 import time
 
-from metrale.errors import EngineDeadError
+from metrale.engine.executor import StepExecutor, StepOutcome
 from metrale.engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.request_state import RequestState
+from metrale.engine.runner import ModelRunner, SamplingRow
 from metrale.engine.stream import OutputChannel
-from metrale.engine.runner import ModelRunner, SamplingRow, StepInput, StepResult
+from metrale.errors import EngineDeadError
+from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
 from metrale.sampling_params import SamplingParams
 from metrale.text.processor import RequestText
-from scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+FATAL_FAILED_STEPS = 3  # steps in a row in which requests failed and none succeeded
 
 
 class EngineCore:
     """Runs steps while there is work; delivers every request exactly one final delta."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, mlx_thread: MLXThread,
-                 metrics: EngineMetrics) -> None:
+                 metrics: EngineMetrics, failpoints: Failpoints = NO_FAILPOINTS) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = metrics
@@ -40,30 +48,38 @@ class EngineCore:
         self.num_finished = 0
         self.peak_kv_usage = 0.0
         self.dead: BaseException | None = None
-        self._mlx = mlx_thread
+        self.step_started: float | None = None  # monotonic start of the step in flight
+        self.mean_step_s = 0.0  # moving average of step durations
+        self._executor = StepExecutor(runner, mlx_thread)
+        self._failpoints = failpoints
         self._pending_aborts: set[str] = set()
         self._wake = asyncio.Event()
+        self._failed_steps_in_a_row = 0
         self._prefix_seen = (0, 0)
 
     # ---- called by AsyncEngine (event-loop thread) ----
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, text: RequestText, *,
-               eos_token_ids: tuple[int, ...], priority: int = 0) -> OutputChannel:
+               eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0) -> OutputChannel:
         """Queue a request and return the channel its deltas go to; raises the scheduler's typed
-        rejections and changes nothing then."""
+        rejections and changes nothing then. `max_tokens` is the effective limit (params may leave it
+        to the engine)."""
         request = Request(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=params.max_tokens,
+            request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             eos_token_ids=eos_token_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, priority=priority)
         state = RequestState(request_id, params, len(prompt_token_ids), text)
         self.scheduler.add(request)
         self.states[request_id] = state
+        self._refresh_gauges()
         self._wake.set()
         return state.channel
 
-    def abort(self, request_id: str) -> bool:
-        """Mark a request for abort; it ends at the next step boundary. False if unknown/finished."""
-        if request_id not in self.states or request_id in self._pending_aborts:
+    def abort(self, request_id: str, channel: OutputChannel | None = None) -> bool:
+        """Mark a request for abort; it ends at the next step boundary. False if unknown or finished,
+        or when `channel` is given and is not that request's (a stale stream of a reused id)."""
+        state = self.states.get(request_id)
+        if state is None or request_id in self._pending_aborts or (channel is not None and state.channel is not channel):
             return False
         self._pending_aborts.add(request_id)
         self._wake.set()
@@ -90,37 +106,57 @@ class EngineCore:
             raise
         except BaseException as error:  # the loop itself broke: fail everyone, report dead
             logger.exception("engine loop stopped")
-            self.dead = error
-            self.fail_all(EngineDeadError(f"engine loop stopped: {type(error).__name__}: {error}"))
+            self.die(error)
             raise
 
+    def die(self, error: BaseException) -> None:
+        """The engine cannot continue: every open stream ends with an error now."""
+        self.dead = error
+        self.fail_all(EngineDeadError(f"engine loop stopped: {type(error).__name__}: {error}"))
+
     async def step(self) -> None:
+        if not self._schedule_failpoint():
+            return
         output = self.scheduler.schedule()
         if not output.scheduled:
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting "
                                f"and {self.scheduler.num_running} running requests")
         num_prompt_tokens = self._mark_scheduled(output)
+        self.step_started = time.monotonic()
         try:
-            result = await self._mlx.run(self.runner.execute, self._step_input(output))
-        except Exception as error:  # a failed step fails its requests, not the engine
-            logger.exception("step %d failed; failing its %d requests", self.num_steps, len(output.scheduled))
-            self._apply_aborts()
-            for scheduled in output.scheduled:
-                self._fail(scheduled.request_id, error)
-            self.num_steps += 1
-            return
+            outcome = await self._executor.execute(output, self._sampling_rows(output))
+        finally:
+            self._note_step_time(time.monotonic() - self.step_started)
+            self.step_started = None
+        self._contain_failures(output, outcome)
         self._apply_aborts()  # an abort that arrived during the step wins over its last token
-        self._postprocess(output, result, num_prompt_tokens)
+        self._postprocess(output, outcome, num_prompt_tokens)
         self.num_steps += 1
 
-    def _step_input(self, output: SchedulerOutput) -> StepInput:
-        rows = []
+    def _schedule_failpoint(self) -> bool:
+        """The `schedule` failpoint: a fault for one request fails it; any other skips this step."""
+        if not self._failpoints:
+            return True
+        try:
+            self._failpoints.check("schedule")
+            for request_id in list(self.states):
+                self._failpoints.check("schedule", request_id)
+        except InjectedFault as fault:
+            logger.warning("step %d not scheduled: %s", self.num_steps, fault)
+            if fault.request_id is not None:
+                self._finish(fault.request_id, "error", fault)
+            return False
+        return True
+
+    def _sampling_rows(self, output: SchedulerOutput) -> dict[str, SamplingRow]:
+        rows = {}
         for scheduled in output.scheduled:
             if scheduled.samples:
                 request = self.scheduler.get_request(scheduled.request_id)
-                rows.append(SamplingRow(scheduled.request_id, self.states[scheduled.request_id].params,
-                                        request.prompt_token_ids, request.output_token_ids))
-        return StepInput(output, tuple(rows))
+                rows[scheduled.request_id] = SamplingRow(
+                    scheduled.request_id, self.states[scheduled.request_id].params,
+                    request.prompt_token_ids, request.output_token_ids)
+        return rows
 
     def _mark_scheduled(self, output: SchedulerOutput) -> int:
         """Stamp first-scheduled times; returns the prompt tokens computed this step."""
@@ -134,12 +170,30 @@ class EngineCore:
             num_prompt_tokens += max(0, min(end, state.num_prompt_tokens) - scheduled.start_position)
         return num_prompt_tokens
 
-    def _postprocess(self, output: SchedulerOutput, result: StepResult, num_prompt_tokens: int) -> None:
+    def _note_step_time(self, seconds: float) -> None:
+        self.mean_step_s = seconds if not self.mean_step_s else 0.9 * self.mean_step_s + 0.1 * seconds
+
+    def _contain_failures(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
+        """End the culprits of a failed step (their blocks' hashes discarded); die when nothing succeeds."""
+        for request_id, error in outcome.failed.items():
+            reason = "abort" if request_id in self._pending_aborts else "error"
+            self._finish(request_id, reason, error if reason == "error" else None, discard_cached=True)
+        if not outcome.failed:
+            self._failed_steps_in_a_row = 0
+        elif len(outcome.failed) < len(output.scheduled):
+            self._failed_steps_in_a_row = 0
+        else:
+            self._failed_steps_in_a_row += 1
+            if self._failed_steps_in_a_row >= FATAL_FAILED_STEPS:
+                raise RuntimeError(f"{FATAL_FAILED_STEPS} steps in a row failed for every request; the last "
+                                   f"error: {next(iter(outcome.failed.values()))!r}")
+
+    def _postprocess(self, output: SchedulerOutput, outcome: StepOutcome, num_prompt_tokens: int) -> None:
         now = time.monotonic()
         ttfts: list[float] = []
         itls: list[float] = []
         num_generated = 0
-        for event in self.scheduler.update(output, result.sampled_token_ids):
+        for event in self.scheduler.update(output, outcome.sampled_token_ids):
             state = self.states.get(event.request_id)
             if state is None:
                 continue
@@ -152,41 +206,53 @@ class EngineCore:
                 else:
                     itls.append(now - times.last_token)
                 times.last_token = now
-            logprobs = result.logprobs.get(event.request_id) if result.logprobs else None
-            delta = state.on_tokens(event.new_token_ids, event.finish_reason,
-                                    hide_last_token=event.stop_token_id is not None,
-                                    logprobs=[logprobs] if logprobs is not None else None)
-            if delta.stop_string_matched and event.finish_reason is None:
-                self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
-            state.channel.put(delta.output)
-            if delta.output.finish_reason is not None:
-                self._retire(state, delta.output.finish_reason, now)
+            try:
+                self._deliver(state, event, outcome.logprobs.get(event.request_id), now)
+            except Exception as error:  # this request's own output processing failed: it alone ends
+                logger.exception("request %s failed while processing its output", event.request_id)
+                self._finish(event.request_id, "error", error)
         self._record_iteration(output, num_prompt_tokens, num_generated, tuple(ttfts), tuple(itls))
 
-    # ---- finishing ----
+    def _deliver(self, state: RequestState, event: RequestEvent, logprob, now: float) -> None:
+        """Detokenize, match stop strings and hand the delta to the request's stream."""
+        delta = state.on_tokens(event.new_token_ids, event.finish_reason,
+                                hide_last_token=event.stop_token_id is not None,
+                                logprobs=[logprob] if logprob is not None else None)
+        self._failpoints.check("deliver", state.request_id)
+        if delta.stop_string_matched and event.finish_reason is None:
+            self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
+        state.channel.put(delta.output)
+        if delta.output.finish_reason is not None:
+            self._retire(state, delta.output.finish_reason, now)
 
-    def _apply_aborts(self) -> None:
-        while self._pending_aborts:
-            request_id = self._pending_aborts.pop()
-            state = self.states.get(request_id)
-            if state is None:
-                continue
-            self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-            state.channel.put(state.final_output("abort"))
-            self._retire(state, "abort", time.monotonic())
+    # ---- finishing: one path ----
 
-    def _fail(self, request_id: str, error: BaseException) -> None:
+    def _finish(self, request_id: str, reason: str, error: BaseException | None = None, *,
+                discard_cached: bool | None = None) -> None:
+        """End a request outside a step's tokens ("abort" | "error"): free its blocks, deliver its
+        final delta, account for it. Idempotent; never raises for one request's sake."""
         state = self.states.get(request_id)
         if state is None:
             return
-        self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
-        state.channel.put(state.final_output("error"), error=error)
-        self._retire(state, "error", time.monotonic())
+        self.scheduler.finish(request_id, RequestStatus.from_finish_reason(reason), discard_cached=discard_cached)
+        state.channel.put(state.final_output(reason), error=error)
+        self._retire(state, reason, time.monotonic())
+
+    def _apply_aborts(self) -> None:
+        while self._pending_aborts:
+            self._finish(self._pending_aborts.pop(), "abort")
 
     def fail_all(self, error: BaseException) -> None:
-        """End every unfinished request with an error (the engine cannot continue)."""
+        """End every unfinished request with an error (the engine cannot continue). One request's
+        failure to end never keeps the others from ending."""
         for request_id in list(self.states):
-            self._fail(request_id, error)
+            try:
+                self._finish(request_id, "error", error, discard_cached=True)
+            except Exception:
+                logger.exception("request %s: freeing it failed; ending its stream anyway", request_id)
+                state = self.states.pop(request_id, None)
+                if state is not None:
+                    state.channel.put(state.final_output("error"), error=error)
 
     def abort_all(self) -> None:
         for request_id in list(self.states):
@@ -209,8 +275,7 @@ class EngineCore:
             num_prompt_tokens=state.num_prompt_tokens,
             num_generation_tokens=state.num_output_tokens,
         ))
-        if not self.states:
-            self._refresh_gauges()
+        self._refresh_gauges()
 
     # ---- metrics ----
 

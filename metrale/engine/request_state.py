@@ -6,6 +6,7 @@ what the consumer sees. Created at submit, dropped when the final delta is pushe
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from metrale.engine.stream import OutputChannel
 from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.sampling_params import SamplingParams
 from metrale.text.processor import RequestText
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -61,8 +64,14 @@ class RequestState:
         return TextDelta(output, matched)
 
     def final_output(self, finish_reason: str) -> RequestOutput:
-        """The last delta of a request ended outside a step's tokens (abort, error)."""
-        text = "" if finish_reason == "abort" else self._text.flush()  # an abort drops held-back text
+        """The last delta of a request ended outside a step's tokens (abort, error). Never raises: if
+        the held-back text cannot be produced, the delta goes without it (the token ids are complete)."""
+        text = ""
+        if finish_reason != "abort":  # an abort drops held-back text; an error delivers it
+            try:
+                text = self._text.flush()
+            except Exception:
+                logger.exception("request %s: held-back text lost while ending it", self.request_id)
         return RequestOutput(request_id=self.request_id, token_ids=[], text=text,
                              finish_reason=finish_reason, num_prompt_tokens=self.num_prompt_tokens,
                              num_output_tokens=self.num_output_tokens)

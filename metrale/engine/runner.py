@@ -23,6 +23,7 @@ from kernels.runtime import mx
 from kvcache.attention import AttentionMetadata
 from kvcache.storage import PagedKVCache
 from metrale.config import EngineConfig
+from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import TokenLogprob
 from metrale.sampling.sampler import Sampler
@@ -65,7 +66,8 @@ def resolve_dtype(name: str) -> mx.Dtype:
 class ModelRunner:
     """Owns the model, the KV pools and the sampler; executes steps."""
 
-    def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends) -> None:
+    def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends,
+                 failpoints: Failpoints = NO_FAILPOINTS) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_name = loaded.path.stem
@@ -74,16 +76,18 @@ class ModelRunner:
         self.backends = backends  # decided once, at load
         self.dtype_name = str(loaded.dtype).removeprefix("mlx.core.")
         self.sampler = Sampler(self.model_config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, seed=seed)
+        self.failpoints = failpoints
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig) -> "ModelRunner":
+    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig,
+                    failpoints: Failpoints = NO_FAILPOINTS) -> "ModelRunner":
         """Allocate the KV pools from the budget and choose the kernels for a loaded model."""
         mc = loaded.config
         kv_cache = PagedKVCache.from_budget(config.kv_cache_bytes, mc.num_hidden_layers, config.block_size,
                                             mc.num_key_value_heads, mc.head_dim, loaded.dtype)
         backends = select_backends()
         logger.info("kernels: %s", backends.describe())
-        return cls(loaded, kv_cache, config.seed, backends)
+        return cls(loaded, kv_cache, config.seed, backends, failpoints)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "ModelRunner":
@@ -94,6 +98,8 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepResult:
         """One forward over every scheduled token; samples where a request reaches its end."""
         scheduled = step.scheduler_output.scheduled
+        if self.failpoints:
+            self.failpoints.check_any("execute", [s.request_id for s in scheduled])
         metadata = AttentionMetadata.build(
             [len(s.token_ids) for s in scheduled],
             [s.start_position + len(s.token_ids) for s in scheduled],
@@ -112,6 +118,9 @@ class ModelRunner:
                 sample_index.append(row - 1)
         logits = self.model.compute_logits(hidden[mx.array(sample_index, dtype=mx.int32)])  # (S', V)
         mx.eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
+        if self.failpoints:
+            for row in step.sampling_rows:
+                self.failpoints.check("sample", row.request_id)
         output = self.sampler.sample(logits, self.sampler.prepare(step.sampling_rows))
         ids = [r.request_id for r in step.sampling_rows]
         sampled = dict(zip(ids, output.token_ids))

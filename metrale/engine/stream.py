@@ -1,15 +1,20 @@
 """Per-request async token streams.
 
 The engine pushes deltas into an `OutputChannel`; the consumer iterates the `RequestStream` that
-wraps it. The engine holds only the channel, so a stream the consumer drops (breaking out of
-`async for`) is collected at once and aborts its request.
+wraps it.
 
     engine loop --put(delta)--> OutputChannel  <--get()-- RequestStream <-- async for / aclose()
+
+`async for` iterates a fresh async generator (`__aiter__`), which only the loop holds: breaking out
+of the loop, or an exception in its body, releases it at once and its `finally` aborts the request,
+whether or not the consumer still holds the stream object. An abort names the stream's own channel,
+so a stale stream never ends a newer request that reuses its id.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Callable
 
 from metrale.errors import RequestFailedError
@@ -52,10 +57,11 @@ class OutputChannel:
 class RequestStream:
     """Async iterator of `RequestOutput` deltas for one request; also an async context manager.
 
-    Ending it early in any way (`aclose()`, leaving `async with`, breaking out of `async for`,
-    cancelling the consuming task) aborts the request; its KV blocks are freed at the next step
-    boundary. A request that fails yields its last delta (finish_reason "error"), then raises
-    `RequestFailedError` from the original exception.
+    Ending it early in any way (`aclose()`, leaving `async with`, breaking out of `async for`, an
+    exception in the loop's body, cancelling the consuming task) aborts the request; its KV blocks
+    are freed at the next step boundary. A request that fails yields its last delta (finish_reason
+    "error"), then raises `RequestFailedError` from the original exception. `abort` is called with
+    the request id (the engine binds it to this stream's channel).
     """
 
     def __init__(self, channel: OutputChannel, abort: Callable[[str], object]) -> None:
@@ -68,8 +74,20 @@ class RequestStream:
     def request_id(self) -> str:
         return self._channel.request_id
 
-    def __aiter__(self) -> "RequestStream":
-        return self
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[RequestOutput]:
+        """What `async for` iterates: ending the loop early in any way aborts the request."""
+        try:
+            while True:
+                try:
+                    output = await self.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield output
+        finally:
+            self._close()
 
     async def __anext__(self) -> RequestOutput:
         if self._raise_next is not None:
@@ -110,7 +128,7 @@ class RequestStream:
         self._close()
 
     def __del__(self) -> None:
-        # Dropped without reaching the end (e.g. `break` in `async for`): abort the request.
+        # Dropped without reaching its end (iterated by hand with __anext__ and never closed): abort.
         if not self._finished:
             self._finished = True
             self._abort(self.request_id)

@@ -88,13 +88,17 @@ class IncrementalDetokenizer:
             self._parts.append(delta)
         return delta
 
-    def flush(self) -> str:
-        """The request finished: return the held-back text, U+FFFD included (as the full decode has it)."""
+    def flush(self, drop_incomplete: bool = False) -> str:
+        """The request finished: return the held-back text. It ends with U+FFFD only when the output
+        ends inside a character; `drop_incomplete` leaves that tail out (vLLM does the same; a U+FFFD
+        the model produced as the very last character is then dropped too)."""
         if self._flushed:
             return ""
         self._flushed = True
         new_text = self._decode(self._ids)
         delta = new_text[len(self._prefix_text):] if len(new_text) > len(self._prefix_text) else ""
+        if drop_incomplete:
+            delta = delta.rstrip(REPLACEMENT_CHAR)
         if delta:
             self._parts.append(delta)
         return delta

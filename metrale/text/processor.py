@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from metrale.errors import EmptyPromptError, InvalidMessagesError, InvalidPromptError, InvalidTokenIdError
+from metrale.errors import (EmptyPromptError, InvalidMessagesError, InvalidPromptError, InvalidTokenIdError,
+                            PromptTooLongError)
+from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.sampling_params import SamplingParams
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.detokenizer import IncrementalDetokenizer
@@ -23,16 +25,33 @@ __all__ = ["InputProcessor", "OutputProcessor", "RequestText"]
 
 
 class InputProcessor:
-    """Encodes and validates what a request brings; `vocab_size` is the model's (its logits' width)."""
+    """Encodes and validates what a request brings; `vocab_size` is the model's (its logits' width).
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate, vocab_size: int) -> None:
+    A text longer than `max_model_len` times the longest vocabulary entry cannot fit in the context
+    whatever its tokens: it is refused before tokenizing (tokenizing megabytes takes seconds).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate, vocab_size: int, *,
+                 max_model_len: int | None = None, failpoints: Failpoints = NO_FAILPOINTS) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.vocab_size = vocab_size
+        longest_token = max((len(token) for token in tokenizer.backend.get_vocab()), default=1)
+        self.max_prompt_chars = None if max_model_len is None else max_model_len * max(1, longest_token)
+        self._failpoints = failpoints
+
+    def check_length(self, text: str) -> None:
+        """PromptTooLongError when `text` is certainly longer than the context, before tokenizing."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(
+                f"prompt of {len(text)} characters cannot fit in max_model_len tokens (at most "
+                f"{self.max_prompt_chars} characters for this vocabulary)")
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """A text prompt encoded (with the special tokens the model adds), or token ids checked."""
+        self._failpoints.check("tokenize")
         if isinstance(prompt, str):
+            self.check_length(prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, Sequence) and all(type(t) is int for t in prompt):
             ids = list(prompt)
@@ -47,10 +66,12 @@ class InputProcessor:
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         """The model's chat template over `messages` (with the generation prompt), encoded."""
+        self._failpoints.check("tokenize")
         try:
             prompt = self.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
         except ValueError as error:  # bad roles or content, or the template's raise_exception
             raise InvalidMessagesError(str(error)) from error
+        self.check_length(prompt)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         if not ids:
             raise EmptyPromptError("the chat template rendered an empty prompt")
@@ -60,32 +81,45 @@ class InputProcessor:
 class OutputProcessor:
     """Makes the per-request text state; holds the tokenizer the detokenizers decode with."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, failpoints: Failpoints = NO_FAILPOINTS) -> None:
         self.tokenizer = tokenizer
+        self._failpoints = failpoints
 
-    def new_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> "RequestText":
+    def new_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> "RequestText":
         return RequestText(
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens),
-            StopStringMatcher(params.stop_strings, params.include_stop_str_in_output) if params.stop_strings else None)
+            StopStringMatcher(params.stop_strings, params.include_stop_str_in_output) if params.stop_strings else None,
+            request_id, self._failpoints)
 
 
 class RequestText:
-    """One request's token ids -> text: detokenize, then match stop strings."""
+    """One request's token ids -> text: detokenize, then match stop strings.
 
-    __slots__ = ("_detokenizer", "_stop_matcher")
+    A request that ends holds back no text except an incomplete UTF-8 character at the very end (a
+    length cut inside a multi-byte character): that tail is dropped, never shown as U+FFFD; its token
+    ids are in the output all the same.
+    """
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop_matcher: StopStringMatcher | None) -> None:
+    __slots__ = ("_detokenizer", "_stop_matcher", "_request_id", "_failpoints")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop_matcher: StopStringMatcher | None,
+                 request_id: str | None = None, failpoints: Failpoints = NO_FAILPOINTS) -> None:
         self._detokenizer = detokenizer
         self._stop_matcher = stop_matcher
+        self._request_id = request_id
+        self._failpoints = failpoints
 
     def push(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """Text of new ids, and whether a stop string matched (text after it is dropped). With
         `final` (the request ends with these ids) everything held back is released."""
+        self._failpoints.check("detokenize", self._request_id)
         text = self._detokenizer.push(token_ids) if token_ids else ""
         if final:
-            text += self._detokenizer.flush()
+            text += self._detokenizer.flush(drop_incomplete=True)
         if self._stop_matcher is None:
             return text, False
+        self._failpoints.check("stop_match", self._request_id)
         text, matched = self._stop_matcher.feed(text)
         if final and not matched:
             text += self._stop_matcher.flush()
@@ -94,7 +128,7 @@ class RequestText:
 
     def flush(self) -> str:
         """Text still held back, for a request that ends without new tokens (error)."""
-        text = self._detokenizer.flush()
+        text = self._detokenizer.flush(drop_incomplete=True)
         if self._stop_matcher is not None:
             text = self._stop_matcher.feed(text)[0] + self._stop_matcher.flush()
         return text

@@ -23,6 +23,7 @@ INVALID = [
     ("ignore_eos", 1), ("ignore_eos", "yes"),
     ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 0.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("repetition_penalty", 1e308), ("repetition_penalty", 1e-300),
     ("presence_penalty", -2.5), ("presence_penalty", 2.5), ("presence_penalty", math.nan),
     ("frequency_penalty", -2.01), ("frequency_penalty", 3), ("frequency_penalty", None),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
@@ -47,7 +48,7 @@ def test_every_field_has_an_invalid_case():
 @pytest.mark.parametrize(("field", "value", "allowed"), [
     ("temperature", 3.0, "[0, 2]"), ("top_p", 0.0, "(0, 1]"), ("min_p", 2.0, "[0, 1]"),
     ("presence_penalty", 9.0, "[-2, 2]"), ("logprobs", 99, "[0, 20]"), ("max_tokens", 0, ">= 1"),
-    ("repetition_penalty", 0.0, "> 0"), ("top_k", -5, "0 / -1"),
+    ("repetition_penalty", 0.0, "in [0.01, 100]"), ("top_k", -5, "0 / -1"),
 ])
 def test_message_states_the_allowed_range(field, value, allowed):
     with pytest.raises(ValueError, match=re.escape(allowed)):
@@ -64,7 +65,7 @@ def test_defaults_are_valid_and_documented_values():
 def test_boundaries_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0, top_k=-1, presence_penalty=-2.0,
                    frequency_penalty=2.0, logprobs=20, min_tokens=16, max_tokens=16, seed=-(2**63))
-    SamplingParams(temperature=2, top_p=1e-9, min_p=0, top_k=1, logprobs=0, seed=2**64 - 1, repetition_penalty=1e-3)
+    SamplingParams(temperature=2, top_p=1e-9, min_p=0, top_k=1, logprobs=0, seed=2**64 - 1, repetition_penalty=0.01)
 
 
 def test_stop_and_stop_token_ids_are_normalized_to_tuples():

@@ -7,6 +7,7 @@ FakeTokenizer decodes token i as the letter chr(97 + i % 26), so texts are easy 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import StepInput, StepResult
 from metrale.engine.stream import RequestStream
+from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.sampling_params import SamplingParams
 from metrale.text.processor import OutputProcessor
 from scheduler import Scheduler, SchedulerConfig
@@ -40,13 +42,16 @@ class FakeRunner:
     vocab_size: int = VOCAB
     steps: list[StepInput] = field(default_factory=list)
     before_step: Callable[[StepInput], None] | None = None
+    failpoints: Failpoints = field(default_factory=lambda: NO_FAILPOINTS)
 
     def execute(self, step: StepInput) -> StepResult:
         self.steps.append(step)
+        self.failpoints.check_any("execute", [s.request_id for s in step.scheduler_output.scheduled])
         if self.before_step is not None:
             self.before_step(step)
         sampled = {}
         for row in step.sampling_rows:
+            self.failpoints.check("sample", row.request_id)
             last = row.output_token_ids[-1] if row.output_token_ids else row.prompt_token_ids[-1]
             sampled[row.request_id] = (last + 1) % self.vocab_size
         return StepResult(sampled)
@@ -57,22 +62,26 @@ class FakeEngine:
     besides the detokenizer and stop strings)."""
 
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 64, max_model_len: int = 256) -> None:
+                 max_num_batched_tokens: int = 64, max_model_len: int = 256, failpoints: str = "",
+                 enable_prefix_caching: bool = True) -> None:
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=max_model_len, block_size=block_size)
-        kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
-        self.runner = FakeRunner()
+                                 max_model_len=max_model_len, block_size=block_size,
+                                 enable_prefix_caching=enable_prefix_caching)
+        kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+        self.failpoints = Failpoints.from_env(failpoints, seed=0)
+        self.runner = FakeRunner(failpoints=self.failpoints)
         self.metrics = EngineMetrics(CollectorRegistry(), model_name="fake")
         self.metrics.set_max_model_len(max_model_len)
         self.mlx = MLXThread()
-        self.core = EngineCore(Scheduler(config, kv), self.runner, self.mlx, self.metrics)
-        self.outputs = OutputProcessor(FakeTokenizer())
+        self.core = EngineCore(Scheduler(config, kv), self.runner, self.mlx, self.metrics, self.failpoints)
+        self.outputs = OutputProcessor(FakeTokenizer(), self.failpoints)
 
     def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestStream:
         params = params or SamplingParams(max_tokens=4)
-        channel = self.core.submit(request_id, list(prompt), params, self.outputs.new_request(prompt, params),
-                                   eos_token_ids=(EOS,))
-        return RequestStream(channel, self.core.abort)
+        text = self.outputs.new_request(prompt, params, request_id)
+        channel = self.core.submit(request_id, list(prompt), params, text, eos_token_ids=(EOS,),
+                                   max_tokens=params.max_tokens or 16)
+        return RequestStream(channel, functools.partial(self.core.abort, channel=channel))
 
     def check_clean(self) -> None:
         """Every request ended, every block free, accounting consistent."""

@@ -108,7 +108,9 @@ async def _break_after_one(stream):
     return "break"
 
 
-async def test_step_failure_fails_its_requests_then_recovers(engine, monkeypatch):
+async def test_transient_step_failure_fails_nobody_and_changes_no_token(engine, monkeypatch):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    clean = await asyncio.gather(*(collect(engine.generate(p, params)) for p in PROMPTS[:4]))
     real_execute = engine._runner.execute
     calls = {"n": 0}
 
@@ -119,16 +121,33 @@ async def test_step_failure_fails_its_requests_then_recovers(engine, monkeypatch
         return real_execute(step)
 
     monkeypatch.setattr(engine._runner, "execute", failing_execute)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    streams = [engine.generate(p, params) for p in PROMPTS[:4]]
-    results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
-    assert all(isinstance(r, RequestFailedError) for r in results), results
-    assert "injected forward failure" in str(results[0])
+    results = await asyncio.gather(*(collect(engine.generate(p, params)) for p in PROMPTS[:4]))
+    assert calls["n"] > 2 and results == clean  # the failed step was retried in halves
     await wait_idle(engine)
     assert_clean(engine)
-    result = await engine.complete(PROMPTS[0], params)
-    assert len(result.token_ids) == 8 and result.finish_reason == "length"
     assert engine.health() == "serving"
+
+
+async def test_deterministic_culprit_fails_alone_the_others_are_exact(engine, monkeypatch):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    clean = await asyncio.gather(*(collect(engine.generate(p, params)) for p in PROMPTS[:4]))
+    real_execute = engine._runner.execute
+
+    def failing_execute(step):
+        if any(s.request_id == "culprit" for s in step.scheduler_output.scheduled):
+            raise RuntimeError("injected forward failure")
+        return real_execute(step)
+
+    monkeypatch.setattr(engine._runner, "execute", failing_execute)
+    streams = [engine.generate(p, params, request_id="culprit" if i == 1 else None) for i, p in enumerate(PROMPTS[:4])]
+    results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+    assert isinstance(results[1], RequestFailedError) and "injected forward failure" in str(results[1])
+    assert [results[i] for i in (0, 2, 3)] == [clean[i] for i in (0, 2, 3)]
+    await wait_idle(engine)
+    assert_clean(engine)
+    monkeypatch.setattr(engine._runner, "execute", real_execute)
+    again = await collect(engine.generate(PROMPTS[1], params))  # its prompt's cached blocks were not poisoned
+    assert again == clean[1]
     assert_clean(engine)
 
 

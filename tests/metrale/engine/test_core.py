@@ -57,15 +57,30 @@ async def test_abort_ends_with_abort_and_frees(engine):
     assert engine.core.abort("a") is False  # unknown once finished
 
 
-async def test_failed_step_fails_its_requests_and_the_engine_goes_on(engine):
+async def test_a_transient_step_failure_fails_nobody(engine):
     def fail_once(step):
         engine.runner.before_step = None
         raise RuntimeError("boom")
 
     engine.runner.before_step = fail_once
+    streams = [engine.submit(f"t{i}", [1, 2 + i], SamplingParams(max_tokens=3)) for i in range(4)]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    assert [finish for _, _, finish in results] == ["length"] * 4
+    engine.check_clean()
+    assert engine.core.dead is None
+
+
+async def test_a_request_that_always_fails_fails_alone(engine):
+    def fail_for_bad(step):
+        if any(s.request_id == "bad" for s in step.scheduler_output.scheduled):
+            raise RuntimeError("boom")
+
+    engine.runner.before_step = fail_for_bad
+    bad = engine.submit("bad", [1, 2], SamplingParams(max_tokens=3))
+    good = [engine.submit(f"g{i}", [9, i], SamplingParams(max_tokens=3)) for i in range(5)]
     with pytest.raises(RequestFailedError, match="boom"):
-        await collect(engine.submit("f", [1, 2], SamplingParams(max_tokens=3)))
-    ids, _, finish = await collect(engine.submit("g", [1, 2], SamplingParams(max_tokens=3)))
-    assert finish == "length" and ids == [3, 4, 5]
+        await collect(bad)
+    results = await asyncio.gather(*(collect(s) for s in good))
+    assert [finish for _, _, finish in results] == ["length"] * 5
     engine.check_clean()
     assert engine.core.dead is None

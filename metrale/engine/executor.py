@@ -1,0 +1,112 @@
+"""StepExecutor: runs one step on the MLX thread and contains its failures.
+
+A step whose execution raises is retried with its batch split in halves, depth first and in
+scheduled order, until every request has either run in a sub-batch that succeeded or failed alone
+twice (a culprit). A deterministic culprit therefore fails alone and a transient fault fails
+nobody:
+
+    [a b c d] fails -> [a b] ok            -> a, b get their tokens
+                       [c d] fails -> [c] ok, [d] fails, [d] fails again -> d is the culprit
+
+Sub-batches run in scheduled order, so a block one request computes this step is written before a
+later request of the same step reads it through a prefix hit. A culprit's blocks were never
+written: the requests that share one of them in this step are failed with it (their attention read
+garbage). KV writes of a failed attempt land in the same slots the retry rewrites, or in the
+culprits' blocks, which are freed with their hashes discarded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from metrale.engine.mlx_thread import MLXThread
+from metrale.engine.runner import SamplingRow, StepInput, StepResult
+from metrale.outputs import TokenLogprob
+from scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutcome:
+    """What one step produced: tokens for the requests that ran, errors for those that failed."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    failed: dict[str, BaseException] = field(default_factory=dict)  # request id -> its error
+    retried: bool = False  # the first attempt failed and the batch was split
+
+    @property
+    def result(self) -> StepResult:
+        return StepResult(self.sampled_token_ids, self.logprobs or None)
+
+
+class StepExecutor:
+    """Executes steps through `runner.execute` on the MLX thread, bisecting failures."""
+
+    def __init__(self, runner, mlx_thread: MLXThread) -> None:
+        self._runner = runner
+        self._mlx = mlx_thread
+
+    async def execute(self, output: SchedulerOutput, rows: dict[str, SamplingRow]) -> StepOutcome:
+        """Run the step; `rows` are the sampling rows of the requests that sample, by id."""
+        outcome = StepOutcome()
+        error = await self._try(output.scheduled, output, rows, outcome)
+        if error is None:
+            return outcome
+        logger.warning("step of %d requests failed (%s: %s); retrying in halves to find the culprit",
+                       len(output.scheduled), type(error).__name__, error)
+        outcome.retried = True
+        await self._bisect(output.scheduled, output, rows, outcome)
+        self._fail_sharers(output, outcome)
+        return outcome
+
+    async def _try(self, group: tuple[ScheduledRequest, ...], output: SchedulerOutput,
+                   rows: dict[str, SamplingRow], outcome: StepOutcome) -> BaseException | None:
+        """Run `group` as one batch; merge its results into `outcome`, or return the error."""
+        sub = SchedulerOutput(group, sum(len(s.token_ids) for s in group), (), output.block_size)
+        step = StepInput(sub, tuple(rows[s.request_id] for s in group if s.request_id in rows))
+        try:
+            result = await self._mlx.run(self._runner.execute, step)
+        except Exception as error:  # contained: the caller splits the batch
+            return error
+        outcome.sampled_token_ids.update(result.sampled_token_ids)
+        outcome.logprobs.update(result.logprobs or {})
+        return None
+
+    async def _bisect(self, group: tuple[ScheduledRequest, ...], output: SchedulerOutput,
+                      rows: dict[str, SamplingRow], outcome: StepOutcome) -> None:
+        if len(group) == 1:  # it failed inside a larger batch: two tries alone, then it is the culprit
+            error = await self._try(group, output, rows, outcome)
+            if error is not None:
+                error = await self._try(group, output, rows, outcome)
+            if error is not None:
+                logger.error("request %s fails alone: %s: %s", group[0].request_id, type(error).__name__, error)
+                outcome.failed[group[0].request_id] = error
+            return
+        middle = len(group) // 2
+        for half in (group[:middle], group[middle:]):
+            if len(half) == 1 or await self._try(half, output, rows, outcome) is not None:
+                await self._bisect(half, output, rows, outcome)
+
+    @staticmethod
+    def _fail_sharers(output: SchedulerOutput, outcome: StepOutcome) -> None:
+        """Fail the requests that share a block a culprit was computing this step."""
+        if not outcome.failed:
+            return
+        size = output.block_size
+        unwritten: dict[int, str] = {}  # block id -> the culprit that was computing it
+        for s in output.scheduled:
+            if s.request_id in outcome.failed and s.token_ids:
+                first, last = s.start_position // size, (s.start_position + len(s.token_ids) - 1) // size
+                unwritten.update({block: s.request_id for block in s.block_table[first:last + 1]})
+        for s in output.scheduled:
+            if s.request_id in outcome.failed:
+                continue
+            culprit = next((unwritten[b] for b in s.block_table if b in unwritten), None)
+            if culprit is not None:
+                outcome.failed[s.request_id] = RuntimeError(
+                    f"shares a KV block that failed request {culprit!r} was computing")
+                outcome.sampled_token_ids.pop(s.request_id, None)
+                outcome.logprobs.pop(s.request_id, None)
