@@ -237,6 +237,11 @@ class AsyncEngine:
             return True
         return self._core.abort(request_id, channel)
 
+    def abort_all(self) -> None:
+        """Abort every unfinished request now (a forced shutdown); each stream ends with "abort"."""
+        if self._core is not None:
+            self._core.abort_all()
+
     @contextlib.contextmanager
     def _counting_rejections(self) -> Iterator[None]:
         """Every refusal at submit time is counted once, by the reason its type carries."""
@@ -307,6 +312,10 @@ class AsyncEngine:
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([token_id]) for token_id in token_ids]
 
+    def failpoints_fired(self) -> dict[str, int]:
+        """How many times each armed failpoint raised (empty when none is armed)."""
+        return dict(self._failpoints.fired)
+
     def record_rejected(self, reason: str) -> None:
         self.metrics.record_rejected(reason)
 
@@ -316,6 +325,8 @@ class AsyncEngine:
     def health(self) -> str:
         """"loading" | "serving" | "draining" | "unhealthy" | "stopped". Unhealthy: the engine died, or
         a step has run far past its expected time (the watchdog; it recovers if the step ends)."""
+        if self._state == "stopped":
+            return "stopped"
         if self._core is not None and (self._core.dead is not None or self._step_stuck()):
             return "unhealthy"
         return self._state

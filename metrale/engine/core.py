@@ -138,9 +138,7 @@ class EngineCore:
         if not self._failpoints:
             return True
         try:
-            self._failpoints.check("schedule")
-            for request_id in list(self.states):
-                self._failpoints.check("schedule", request_id)
+            self._failpoints.check_any("schedule", list(self.states))
         except InjectedFault as fault:
             logger.warning("step %d not scheduled: %s", self.num_steps, fault)
             if fault.request_id is not None:

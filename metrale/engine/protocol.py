@@ -48,8 +48,20 @@ class EngineClient(Protocol):
              request_id: str | None = None, priority: int = 0) -> RequestStream:
         """`generate` over the model's chat template rendered for `messages`."""
 
+    async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """What `generate` would submit for `prompt`; a long text is tokenized off the event loop."""
+
+    async def chat_token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """What `chat` would submit for `messages`; a long conversation is tokenized off the event loop."""
+
+    async def wait_until_dead(self) -> BaseException | None:
+        """Wait for the engine loop to end: the error that killed it, or None when it was shut down."""
+
     def abort(self, request_id: str) -> bool:
         """End a request at the next step boundary (its stream finishes with "abort")."""
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request now (a forced shutdown)."""
 
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         """Each token decoded alone (for logprobs); a partial UTF-8 character renders as U+FFFD."""

@@ -24,8 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
 from metrale.server import completions
-from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, read_body, send_bytes, send_error,
-                                 send_json)
+from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
+                                 send_error, send_json)
 from metrale.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -39,23 +39,29 @@ class ServerApp:
 
     api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (/health, /metrics stay open).
     served_model_name: the model id clients use; the engine's model name by default.
-    default_max_tokens: max_tokens of a chat request that sets none (completions default to 16).
-    on_fatal: called (no arguments) when the engine fails to start, so the process can exit.
+    default_max_tokens: max_tokens of a chat request that sets none; None: the rest of the context
+        (completions default to 16).
+    body_timeout_s: a request body that has not fully arrived after this long gets a 408.
+    on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
+        so the process can exit non-zero and its supervisor restart it.
     """
 
     def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
-                 manage_engine: bool = True,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int | None = None,
+                 body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
+        self.body_timeout_s = body_timeout_s
+        self.dead_grace_s = dead_grace_s
         self.manage_engine = manage_engine
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
         self._served_model_name = served_model_name
         self._start_task: asyncio.Task | None = None
+        self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
 
     @property
@@ -65,6 +71,11 @@ class ServerApp:
     def health(self) -> str:
         """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
         return "unhealthy" if self.startup_error is not None else self.engine.health()
+
+    def force_stop(self) -> None:
+        """Abort every open request now (a forced exit): each stream ends with an error event."""
+        if self.engine.health() in ("serving", "draining", "unhealthy"):
+            self.engine.abort_all()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
@@ -118,9 +129,10 @@ class ServerApp:
         if path in _POST_ROUTES:
             if method != "POST":
                 raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
-            body = await read_body(scope, receive, self.max_body_bytes)
+            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
-                                            send, receive, default_max_tokens=self.default_max_tokens)
+                                            send, receive, default_max_tokens=self.default_max_tokens,
+                                            request_id=client_request_id(scope))
         if path == "/v1/models":
             return await self._only(method, "GET", send_json(send, 200, {"object": "list",
                                                                          "data": [self._model_card()]}))
@@ -187,9 +199,23 @@ class ServerApp:
                 self.on_fatal()
             return
         logger.info("serving model %s (max_model_len %d)", self.model_name, self.engine.max_model_len)
+        self._death_watch = asyncio.create_task(self._watch_for_death(), name="metrale-engine-death-watch")
+
+    async def _watch_for_death(self) -> None:
+        """A dead engine cannot recover in this process: after a grace period (so clients get their
+        503s and error events), ask the process to exit non-zero so that its supervisor restarts it."""
+        error = await self.engine.wait_until_dead()
+        if error is None:
+            return  # shut down cleanly
+        logger.critical("engine died (%s: %s); exiting in %.0f s so the supervisor restarts the server",
+                        type(error).__name__, error, self.dead_grace_s)
+        await asyncio.sleep(self.dead_grace_s)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     async def _stop_engine(self) -> None:
-        if self._start_task is not None and not self._start_task.done():
-            self._start_task.cancel()
-            await asyncio.gather(self._start_task, return_exceptions=True)
+        for task in (self._start_task, self._death_watch):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.engine.shutdown()

@@ -42,15 +42,33 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body; APIError 413 as soon as it is known to exceed `limit` bytes."""
+def client_request_id(scope: Scope) -> str | None:
+    """The client's X-Request-Id (printable ASCII, at most 128 characters), or None; 400 if malformed."""
+    value = header(scope, b"x-request-id")
+    if value is None:
+        return None
+    if not value or len(value) > 128 or not all(0x21 <= b < 0x7F for b in value):
+        raise APIError(400, "X-Request-Id must be 1 to 128 printable ASCII characters without spaces",
+                       param="x-request-id", reject_reason="invalid_request")
+    return value.decode()
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole request body; APIError 413 as soon as it is known to exceed `limit` bytes, 408 when
+    it has not all arrived after `timeout_s` (a client that trickles a body holds no slot forever)."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
+    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), None if deadline is None else
+                                             max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {timeout_s:g} s", code="request_timeout",
+                           reject_reason="invalid_request") from None
         if message["type"] == "http.disconnect":
             raise ClientDisconnected()
         chunk = message.get("body", b"")

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 
 from metrale.config import EngineConfig
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
+from metrale.server.connections import deadline_protocol
 
 logger = logging.getLogger(__name__)
 DESCRIPTION = """Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
@@ -29,7 +30,10 @@ with /health and Prometheus /metrics.
     metrale serve --model PATH --host 127.0.0.1 --port 8000 [--api-key KEY] [--max-num-seqs N] ...
 
 SIGTERM or SIGINT drains: new requests and /health get 503, in-flight requests run for up to
---shutdown-timeout seconds, the rest are aborted, and the process exits 0. A second signal exits at once.
+--shutdown-timeout seconds, the rest are aborted, and the process exits 0. A second signal forces the
+exit: open requests are aborted (each stream ends with an error event), and the process exits 1. An
+engine that dies makes /health 503 and the process exit 1 after --dead-exit-grace seconds, so that
+systemd, compose, launchd or Kubernetes restart it.
 """
 
 
@@ -65,11 +69,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get("METRALE_API_KEY"),
                       help="require this bearer token on /v1/* (default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
-    http.add_argument("--default-max-tokens", type=int, default=512,
-                      help="max_tokens of chat requests that set none (completions default to 16)")
+    http.add_argument("--default-max-tokens", type=int, default=None,
+                      help="max_tokens of chat requests that set none (default: the rest of the context; "
+                           "completions default to 16)")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    http.add_argument("--header-timeout", type=float, default=30.0,
+                      help="seconds a request's line and headers may take before the connection is closed")
+    http.add_argument("--body-timeout", type=float, default=30.0,
+                      help="seconds a request body may take to arrive before a 408")
+    http.add_argument("--dead-exit-grace", type=float, default=5.0,
+                      help="seconds between the engine dying and the process exiting with status 1")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
 
@@ -111,12 +122,18 @@ class DrainingServer(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
     def on_signal(self, sig: int) -> None:
-        """First signal: drain, then stop. Second: stop now."""
+        """First signal: drain, then stop. Second: abort what is open (streams end with an error event)
+        and stop with status 1. Third: stop at once."""
+        name = signal.Signals(sig).name
         if self._drain_task is None:
-            logger.info("%s: draining for up to %.0f s", signal.Signals(sig).name, self.drain_timeout_s)
+            logger.info("%s: draining for up to %.0f s", name, self.drain_timeout_s)
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        elif self.exit_code == 0:
+            logger.warning("%s again: forced exit; aborting the open requests (exit status 1)", name)
+            self.exit_code = 1
+            self.app.force_stop()
+            self.should_exit = True
         else:
-            logger.warning("%s again: exiting without waiting", signal.Signals(sig).name)
             self.should_exit = self.force_exit = True
 
     def fail(self) -> None:
@@ -144,8 +161,10 @@ def run_serve(args: argparse.Namespace) -> int:
         collector(registry=registry)
     engine = AsyncEngine(engine_config(args), registry=registry)
     app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                    max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop="auto", http="h11", lifespan="on",
+                    max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                    body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
+                            lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,
                             log_level="info", log_config=None)
     server = DrainingServer(config, app, args.shutdown_timeout)

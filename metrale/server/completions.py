@@ -55,8 +55,9 @@ class _Call:
 
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
-                 default_max_tokens: int) -> None:
-    """Serve one completion request; raises APIError for anything refused before the response."""
+                 default_max_tokens: int | None, request_id: str | None = None) -> None:
+    """Serve one completion request; raises APIError for anything refused before the response.
+    `request_id` (the client's X-Request-Id) names the engine request; else the response id does."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
     model = protocol.model_or_404(request.model, served_model)
     params = protocol.sampling_params(request, default_max_tokens)
@@ -64,10 +65,11 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model,
                  include_usage, params.logprobs)
     try:
-        if chat:
-            stream = engine.chat(protocol.chat_messages(request), params, request_id=call.id)
+        if chat:  # long prompts are tokenized off the event loop
+            prompt_ids = await engine.chat_token_ids(protocol.chat_messages(request))
         else:
-            stream = engine.generate(protocol.completion_prompt(request), params, request_id=call.id)
+            prompt_ids = await engine.prompt_token_ids(protocol.completion_prompt(request))
+        stream = engine.generate(prompt_ids, params, request_id=request_id or call.id)
     except APIError:
         raise
     except Exception as error:

@@ -6,6 +6,7 @@ Every error body is `{"error": {"message", "type", "param", "code"}}`. The statu
     401 authentication_error    --api-key set and the request's bearer token is missing or wrong
     404 invalid_request_error   unknown route, or a model this server does not serve (code model_not_found)
     405 invalid_request_error   wrong method for the route
+    408 invalid_request_error   the request body did not arrive in time
     413 invalid_request_error   body over --max-body-bytes
     429 rate_limit_error        the engine's waiting queue is full (Retry-After: 1)
     500 internal_error          a request failed inside the engine
@@ -21,7 +22,7 @@ import msgspec
 from metrale.errors import EngineUnavailableError, QueueFullError, RequestRejectedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
 _MSGSPEC_PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNAVAILABLE = {"draining": "server is shutting down and accepts no new requests",

@@ -99,6 +99,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         return msgspec.json.decode(body, type=kind)
     except msgspec.DecodeError as error:  # ValidationError is a DecodeError
         raise from_decode_error(error) from error
+    except RecursionError as error:  # e.g. {"prompt": [[[[...]]]]} nested 100k deep
+        raise bad_request("invalid request body: JSON nested too deeply") from error
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -123,11 +125,12 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest,
-                    default_max_tokens: int) -> SamplingParams:
+                    default_max_tokens: int | None) -> SamplingParams:
     """Validate and translate the sampling fields; a 400 naming the field on any bad value.
 
-    `default_max_tokens` applies to chat requests that set neither max_tokens nor
-    max_completion_tokens (completions default to OpenAI's 16).
+    A chat request that sets neither max_tokens nor max_completion_tokens gets `default_max_tokens`,
+    and when that is None too, the rest of the context (the engine's max_model_len minus the prompt,
+    vLLM's rule). Completions default to OpenAI's 16.
     """
     _refuse_unsupported(request)
     kwargs: dict[str, Any] = {}
@@ -143,7 +146,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
-        kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
+        kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens  # None: the rest
     elif request.max_tokens is not None:
         kwargs["max_tokens"] = request.max_tokens
     logprobs = _logprobs(request)

@@ -49,8 +49,8 @@ class InputProcessor:
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """A text prompt encoded (with the special tokens the model adds), or token ids checked."""
-        self._failpoints.check("tokenize")
         if isinstance(prompt, str):
+            self._failpoints.check("tokenize")
             self.check_length(prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, Sequence) and all(type(t) is int for t in prompt):

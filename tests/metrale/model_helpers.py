@@ -193,3 +193,12 @@ def write_tiny_gguf(path: str, config_dict: Mapping[str, Any], params: Sequence[
         "tokenizer.chat_template": CHATML_TEMPLATE,
     }
     mx.save_gguf(path, arrays, metadata)
+
+
+def write_tiny_model(path: str, seed: int = 0, **overrides: Any) -> str:
+    """A tiny random llama GGUF (chatml template, 101-token byte-level vocab) at `path`, for engine
+    tests that need a real model but not a real model's cost."""
+    config_dict = tiny_config_dict(**overrides)
+    _, model = make_twins(config_dict, seed=seed)
+    write_tiny_gguf(path, config_dict, tree_flatten(model.parameters()))
+    return path

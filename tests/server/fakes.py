@@ -66,12 +66,13 @@ class FakeEngine:
         if self.reject is not None:
             raise self.reject
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-        if n_prompt + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
-                                       f"exceeds max_model_len ({self.max_model_len})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise PromptTooLongError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) "
+                                     f"exceeds max_model_len ({self.max_model_len})")
         self.submitted.append((prompt, params))
         channel = OutputChannel(request_id)
-        self.live[request_id] = asyncio.get_running_loop().create_task(self._run(channel, params, n_prompt))
+        self.live[request_id] = asyncio.get_running_loop().create_task(self._run(channel, max_tokens, n_prompt))
         return RequestStream(channel, self.abort)
 
     def chat(self, messages: list[dict], params: SamplingParams, *, request_id: str | None = None,
@@ -87,14 +88,29 @@ class FakeEngine:
         task.cancel()
         return True
 
-    async def _run(self, channel: OutputChannel, params: SamplingParams, n_prompt: int) -> None:
+    def abort_all(self) -> None:
+        for request_id in list(self.live):
+            self.abort(request_id)
+
+    async def prompt_token_ids(self, prompt: Any) -> Any:
+        return prompt  # the fake "tokenizes" into the prompt itself: generate takes either
+
+    async def chat_token_ids(self, messages: list[dict]) -> str:
+        checked = validate_messages(messages)  # the real engine's check
+        return " ".join(m["content"] for m in checked)
+
+    async def wait_until_dead(self) -> BaseException | None:
+        await asyncio.Event().wait()  # the fake never dies
+        return None
+
+    async def _run(self, channel: OutputChannel, max_tokens: int, n_prompt: int) -> None:
         try:
-            for i in range(params.max_tokens):
+            for i in range(max_tokens):
                 await asyncio.sleep(self.step_s)
                 if self.fail_after is not None and i == self.fail_after:
                     channel.put(_out(channel, [], "", "error", n_prompt, i), error=RuntimeError("boom"))
                     return
-                last = i == params.max_tokens - 1
+                last = i == max_tokens - 1
                 channel.put(_out(channel, [i], self.words[i % len(self.words)], "length" if last else None,
                                  n_prompt, i + 1))
         except asyncio.CancelledError:

@@ -35,8 +35,9 @@ def free_port() -> int:
 class ServerProcess:
     """`metrale serve --host 127.0.0.1 --port <free> *args`, ready once /health is 200."""
 
-    def __init__(self, *args: str, startup_timeout_s: float = 240.0) -> None:
+    def __init__(self, *args: str, startup_timeout_s: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.args = args
+        self.env = env or {}
         self.port = free_port()
         self.startup_timeout_s = startup_timeout_s
         fd, self.log_path = tempfile.mkstemp(prefix="metrale-serve-", suffix=".log")
@@ -50,7 +51,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "metrale.cli", "--log-level", "INFO", "serve", "--host", "127.0.0.1",
                  "--port", str(self.port), *self.args],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         while time.monotonic() - start < self.startup_timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"metrale serve exited with {self.proc.returncode}:\n{self.logs()}")

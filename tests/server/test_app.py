@@ -199,3 +199,35 @@ async def test_disconnect_aborts_the_request(engine, stream):
         assert r.status == 0  # nothing was sent
     await asyncio.sleep(0)
     assert len(engine.aborted) == 1 and engine.live == {}
+
+
+@pytest.mark.parametrize("field", ["prompt", "tools", "some_unknown_field"])
+async def test_deeply_nested_json_is_a_400_not_a_500(app, field):
+    nested = "[" * 100_000 + "]" * 100_000
+    body = '{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (field, nested)
+    for path in (COMPLETIONS, CHAT):
+        r = await call(app, "POST", path, body.encode())
+        assert r.status == 400 and "nested" in r.json()["error"]["message"] + str(r.json()["error"]["param"]), r.body
+
+
+async def test_a_chat_without_max_tokens_leaves_the_limit_to_the_engine(app, engine):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES})
+    assert r.status == 200 and engine.submitted[-1][1].max_tokens is None
+    capped = ServerApp(engine, manage_engine=False, default_max_tokens=2)
+    r = await call(capped, "POST", CHAT, {"messages": MESSAGES})
+    assert r.status == 200 and engine.submitted[-1][1].max_tokens == 2
+
+
+async def test_a_body_that_never_arrives_is_a_408(engine):
+    app = ServerApp(engine, manage_engine=False, body_timeout_s=0.2)
+    scope = {"type": "http", "method": "POST", "path": COMPLETIONS, "headers": [(b"content-length", b"100")]}
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    assert sent[0]["status"] == 408
