@@ -5,6 +5,10 @@
         async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
             print(out.text, end="")
 
+    from metrale import LLM                      # the blocking API, for scripts and batch jobs
+    with LLM(EngineConfig()) as llm:
+        results = llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=32))
+
 The names below are loaded on first use (PEP 562), so `import metrale.text` or `import
 metrale.sampling_params` never loads MLX or the engine.
 """
@@ -18,6 +22,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncEngine": "metrale.engine.async_engine",
+    "LLM": "metrale.engine.llm",
+    "CompletionStream": "metrale.engine.llm",
     "RequestStream": "metrale.engine.stream",
     "EngineConfig": "metrale.config",
     "SamplingParams": "metrale.sampling_params",
@@ -36,11 +42,13 @@ _EXPORTS = {
 __all__ = [
     "AsyncEngine",
     "CompletionResult",
+    "CompletionStream",
     "EngineConfig",
     "EngineDeadError",
     "EngineDrainingError",
     "EngineNotRunningError",
     "EngineStats",
+    "LLM",
     "QueueFullError",
     "RequestFailedError",
     "RequestOutput",
@@ -54,6 +62,7 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads them
     from metrale.config import EngineConfig
     from metrale.engine.async_engine import AsyncEngine
+    from metrale.engine.llm import LLM, CompletionStream
     from metrale.engine.stream import RequestStream
     from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, QueueFullError,
                                 RequestFailedError, RequestRejectedError)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 
@@ -60,6 +62,17 @@ class CompletionResult(msgspec.Struct, frozen=True):
     finish_reason: str
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def from_outputs(cls, request_id: str, outputs: Sequence[RequestOutput]) -> "CompletionResult":
+        """Join one request's stream deltas, in order (the last one carries finish_reason)."""
+        token_ids = [t for out in outputs for t in out.token_ids]
+        logprobs = [lp for out in outputs if out.logprobs for lp in out.logprobs]
+        finish_reason = next((out.finish_reason for out in reversed(outputs) if out.finish_reason), "abort")
+        num_prompt_tokens = outputs[-1].num_prompt_tokens if outputs else 0
+        return cls(request_id=request_id, text="".join(out.text for out in outputs), token_ids=token_ids,
+                   finish_reason=finish_reason, usage=Usage(num_prompt_tokens, len(token_ids)),
+                   logprobs=logprobs or None)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

@@ -1,6 +1,7 @@
 """The engine room: everything that turns queued requests into streamed tokens.
 
     async_engine.py   AsyncEngine, the public embeddable engine (submission, lifecycle, stats)
+    llm.py            LLM, the blocking API: the AsyncEngine on a background thread with its own loop
     core.py           EngineCore, the step loop: schedule -> execute on the MLX thread -> postprocess
     runner.py         ModelRunner: the model, the KV pools and the sampler; one batched forward per step
     stream.py         RequestStream / OutputChannel: the per-request async token stream

@@ -36,7 +36,7 @@ from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunni
                             PromptTooLongError, RequestRejectedError)
 from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
-from metrale.outputs import CompletionResult, EngineStats, Usage
+from metrale.outputs import CompletionResult, EngineStats
 from metrale.sampling_params import SamplingParams
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
@@ -207,18 +207,7 @@ class AsyncEngine:
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0) -> CompletionResult:
         """Run a request to the end and return its whole result (raises RequestFailedError on error)."""
-        async with self.generate(prompt, params, request_id=request_id, priority=priority) as stream:
-            text, token_ids, logprobs = [], [], []
-            finish_reason, num_prompt = "abort", 0
-            async for out in stream:
-                text.append(out.text)
-                token_ids.extend(out.token_ids)
-                if out.logprobs:
-                    logprobs.extend(out.logprobs)
-                finish_reason, num_prompt = out.finish_reason or finish_reason, out.num_prompt_tokens
-        return CompletionResult(request_id=stream.request_id, text="".join(text), token_ids=token_ids,
-                                finish_reason=finish_reason, usage=Usage(num_prompt, len(token_ids)),
-                                logprobs=logprobs or None)
+        return await collect_result(self.generate(prompt, params, request_id=request_id, priority=priority))
 
     def abort(self, request_id: str, *, channel: OutputChannel | None = None) -> bool:
         """Abort a request (sync). Its stream ends with finish_reason "abort" at the next step
@@ -361,6 +350,14 @@ class AsyncEngine:
         if self._core is None:
             raise EngineNotRunningError("engine not started")
         self._core.scheduler.check_integrity()
+
+
+async def collect_result(stream: RequestStream) -> CompletionResult:
+    """Read a stream to its end into one CompletionResult; leaving early (an error, a cancel) aborts
+    the request."""
+    async with stream:
+        outputs = [out async for out in stream]
+    return CompletionResult.from_outputs(stream.request_id, outputs)
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams:
