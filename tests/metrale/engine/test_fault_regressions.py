@@ -187,3 +187,24 @@ async def test_the_running_gauge_counts_a_request_the_moment_it_is_queued(tiny_m
         assert gauge == 1
         await collect(stream)
         assert_clean(engine)
+
+
+async def test_the_step_watchdog_marks_a_stuck_step_unhealthy_until_it_ends(tiny_model, monkeypatch):
+    async with AsyncEngine(config(tiny_model)) as engine:
+        await collect(engine.generate(PROMPT, GREEDY))  # a few normal steps set the expected step time
+        monkeypatch.setattr(async_engine, "WATCHDOG_MIN_S", 0.3)
+        real_execute = engine._runner.execute
+        release = threading.Event()
+
+        def stuck(step):
+            release.wait(10)
+            return real_execute(step)
+
+        monkeypatch.setattr(engine._runner, "execute", stuck)
+        stream = engine.generate(PROMPT, GREEDY)
+        await asyncio.sleep(0.8)
+        assert engine.health() == "unhealthy"
+        release.set()
+        assert (await collect(stream))[2] == "length"
+        assert engine.health() == "serving"
+        assert_clean(engine)
