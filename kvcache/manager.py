@@ -122,8 +122,10 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_computed_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for num_computed_tokens + num_new_tokens tokens of `seq`; all or nothing.
+        """Make room for num_computed_tokens + num_new_tokens (+ num_lookahead_tokens) tokens of `seq`;
+        all or nothing.
 
         Args:
             seq: the request; its table grows by prefix-hit blocks, then fresh ones.
@@ -132,6 +134,8 @@ class KVCacheManager:
                 no blocks yet.
             num_computed_tokens: tokens already computed; defaults to seq.num_computed_tokens
                 (pass the hit count for a new request, whose counter is still 0).
+            num_lookahead_tokens: slots after the known tokens for draft tokens to verify; they
+                are never hashed (a block is cached only once full of known, verified tokens).
 
         Returns:
             The ids of the fresh blocks (possibly []), or None when there is no room; None changes
@@ -144,9 +148,11 @@ class KVCacheManager:
         )
         rec = self._records.get(rid)
         self._check_allocation(seq, num_new_tokens, computed, num_computed, rec)
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
         num_held = len(rec.blocks) if rec is not None else 0
         total = num_computed + num_new_tokens
-        num_fresh = max(0, _cdiv(total, self.block_size) - num_held - len(computed))
+        num_fresh = max(0, _cdiv(total + num_lookahead_tokens, self.block_size) - num_held - len(computed))
         num_revived = sum(1 for b in computed if b.ref_cnt == 0)  # free now, leave the queue
         if num_fresh + num_revived > self.pool.num_free_blocks:
             return None

@@ -22,6 +22,9 @@ class ScheduledRequest:
         block_table: the request's physical block ids, in token order.
         samples: the chunk reaches the end of the known tokens, so the runner samples one token
             from the logits of its last position.
+        num_draft_tokens: draft tokens computed after token_ids (positions start_position +
+            len(token_ids) ...), to be verified; the block table covers them too.
+        draft_token_ids: those drafts, or () when the runner's proposer makes them.
     """
 
     request_id: str
@@ -29,6 +32,13 @@ class ScheduledRequest:
     start_position: int
     block_table: tuple[int, ...]
     samples: bool
+    num_draft_tokens: int = 0
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions computed this step: the known tokens and the drafts."""
+        return len(self.token_ids) + self.num_draft_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +47,7 @@ class SchedulerOutput:
 
     Attributes:
         scheduled: requests with tokens this step, running ones first, then newly admitted.
-        num_batched_tokens: sum of len(token_ids) over `scheduled` (<= max_num_batched_tokens).
+        num_batched_tokens: sum of num_tokens (known + draft) over `scheduled` (<= max_num_batched_tokens).
         preempted_request_ids: requests whose blocks were freed this step (to be recomputed).
         block_size: tokens per KV block (slot = block_table[pos // block_size] * block_size +
             pos % block_size).

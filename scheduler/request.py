@@ -58,12 +58,22 @@ class Request:
     The last known token is computed by the step that samples the next one, so while a request
     runs, num_computed_tokens < num_tokens before each step. `priority`: lower values are served
     first under the "priority" policy (vLLM's convention); ignored under "fcfs".
+
+    Speculation: before a step the engine may propose draft tokens to follow the last known one,
+    `spec_token_ids` (or, when the runner's proposer makes them, only their count `num_spec_tokens`).
+    The scheduler computes them with the last token when the budget and the blocks allow, then clears
+    both; `update` keeps the accepted ones and rolls num_computed_tokens back over the rejected ones:
+
+        | known tokens ... x_L | d1 d2 d3 |        step: computes x_L d1 d2 d3 (1 + k positions)
+        | known ... x_L d1 d2 t |               2 drafts accepted, t = the target's own next token
+                   computed: up to d2; t is the new last known token
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "max_tokens", "eos_token_ids", "stop_token_ids",
         "ignore_eos", "min_tokens", "priority", "arrival_time", "cache_salt",
-        "num_computed_tokens", "status", "num_preemptions", "_all_token_ids",
+        "num_computed_tokens", "status", "num_preemptions", "spec_token_ids", "num_spec_tokens",
+        "_all_token_ids",
     )
 
     def __init__(
@@ -93,6 +103,8 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        self.spec_token_ids: tuple[int, ...] = ()  # drafts proposed for the next step
+        self.num_spec_tokens = 0  # how many drafts (== len(spec_token_ids) unless the runner proposes them)
         # prompt + output in one list: all_token_ids is on the per-step path and must be O(1).
         self._all_token_ids = [*self.prompt_token_ids, *map(operator.index, output_token_ids)]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvcache.manager import KVCacheManager
@@ -124,6 +124,11 @@ class Scheduler:
             if n <= 0:  # nothing left to compute (update() not called for its last step)
                 i += 1
                 continue
+            if self._schedule_drafts(req, n, budget):
+                num_new[req.request_id] = n
+                budget -= n + req.num_spec_tokens
+                i += 1
+                continue
             scheduled = True
             while self.kv_cache_manager.allocate_slots(req, n) is None:
                 victim = self._preempt_last()  # index >= i: req itself or not scheduled yet
@@ -137,10 +142,22 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _schedule_drafts(self, req: Request, n: int, budget: int) -> bool:
+        """Schedule a decode with its drafts when the budget and free blocks allow; else drop the
+        drafts (the request is then scheduled as a plain decode) and return False."""
+        k = req.num_spec_tokens
+        if not k:
+            return False
+        if n == 1 and 1 + k <= budget and self.kv_cache_manager.allocate_slots(req, 1, num_lookahead_tokens=k) is not None:
+            return True
+        req.spec_token_ids, req.num_spec_tokens = (), 0
+        return False
+
     def _preempt_last(self) -> Request:
         """Preempt the lowest-priority, latest-arrived running request (the list's last)."""
         req = self._running.pop()
         self.kv_cache_manager.free(req.request_id)
+        req.spec_token_ids, req.num_spec_tokens = (), 0
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # recompute prompt + output so far
         req.num_preemptions += 1
@@ -177,23 +194,29 @@ class Scheduler:
                     start_position=start,
                     block_table=self.kv_cache_manager.block_ids(rid),
                     samples=end == req.num_tokens,
+                    num_draft_tokens=req.num_spec_tokens,
+                    draft_token_ids=req.spec_token_ids,
                 )
             )
-            req.num_computed_tokens = end
+            req.num_computed_tokens = end + req.num_spec_tokens  # drafts rolled back in update()
+            req.spec_token_ids, req.num_spec_tokens = (), 0
+        for req in self._running:  # drafts of requests that got no slot this step are stale next step
+            req.spec_token_ids, req.num_spec_tokens = (), 0
         return SchedulerOutput(
             scheduled=tuple(scheduled),
-            num_batched_tokens=sum(num_new.values()),
+            num_batched_tokens=sum(s.num_tokens for s in scheduled),
             preempted_request_ids=tuple(r.request_id for r in preempted),
             block_size=self.config.block_size,
         )
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[RequestEvent]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[RequestEvent]:
         """Apply one step's sampled tokens; finish requests on eos, stop token ids or max_tokens.
 
         Args:
             output: what `schedule()` returned for this step.
-            sampled: one token per request whose ScheduledRequest has samples=True; entries
-                for requests finished since `schedule()` (e.g. aborted) are ignored.
+            sampled: per request whose ScheduledRequest has samples=True, one token, or for a request
+                with k drafts its accepted drafts then the target's own next token (1 to k + 1
+                tokens); entries for requests finished since `schedule()` (e.g. aborted) are ignored.
 
         Returns:
             One event per request that got a token, in schedule order; a finish event's request
@@ -202,23 +225,30 @@ class Scheduler:
         pending = self._collect_samples(output, sampled)  # validates everything before mutating
         events = []
         any_finished = False
-        for req, token in pending:
-            req.append_output_token(token)
-            status = self._stop_status(req, token)
+        for req, num_drafts, tokens in pending:
+            req.num_computed_tokens -= num_drafts - (len(tokens) - 1)  # roll back over rejected drafts
+            appended: list[int] = []
+            status = None
+            for token in tokens:  # a stop inside an accepted run ends the request there
+                req.append_output_token(token)
+                appended.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    break
             if status is None:
-                events.append(RequestEvent(req.request_id, (token,)))
+                events.append(RequestEvent(req.request_id, tuple(appended)))
                 continue
             self._release(req, status)
             any_finished = True
-            stop_id = token if status is RequestStatus.FINISHED_STOPPED else None
-            events.append(RequestEvent(req.request_id, (token,), status.finish_reason, stop_id))
+            stop_id = appended[-1] if status is RequestStatus.FINISHED_STOPPED else None
+            events.append(RequestEvent(req.request_id, tuple(appended), status.finish_reason, stop_id))
         if any_finished:  # one pass, not one list.remove per finished request
             self._running = [r for r in self._running if r.status is _RUNNING]
         return events
 
     def _collect_samples(
-        self, output: SchedulerOutput, sampled: Mapping[str, int]
-    ) -> list[tuple[Request, int]]:
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> list[tuple[Request, int, tuple[int, ...]]]:
         pending = []
         missing = []
         for s in output.scheduled:
@@ -228,15 +258,20 @@ class Scheduler:
             if req is None or req.status is not _RUNNING:
                 continue  # finished (or finished and re-added) since schedule()
             end = s.start_position + len(s.token_ids)
-            if req.num_computed_tokens != end or req.num_tokens != end:
+            if req.num_computed_tokens != end + s.num_draft_tokens or req.num_tokens != end:
                 raise RuntimeError(
-                    f"request {s.request_id!r}: stale output, chunk ends at {end} but "
-                    f"{req.num_computed_tokens} computed of {req.num_tokens} tokens"
+                    f"request {s.request_id!r}: stale output, chunk ends at {end} (+{s.num_draft_tokens} "
+                    f"drafts) but {req.num_computed_tokens} computed of {req.num_tokens} tokens"
                 )
-            if s.request_id in sampled:
-                pending.append((req, operator.index(sampled[s.request_id])))
-            else:
+            if s.request_id not in sampled:
                 missing.append(s.request_id)
+                continue
+            value = sampled[s.request_id]
+            tokens = (operator.index(value),) if not isinstance(value, Sequence) else tuple(map(operator.index, value))
+            if not 1 <= len(tokens) <= s.num_draft_tokens + 1:
+                raise ValueError(f"request {s.request_id!r}: {len(tokens)} tokens for {s.num_draft_tokens} drafts "
+                                 f"(expected 1 to {s.num_draft_tokens + 1})")
+            pending.append((req, s.num_draft_tokens, tokens))
         if missing:
             raise ValueError(f"no sampled token for {len(missing)} requests: {missing[:8]}")
         return pending

@@ -4,6 +4,8 @@ Random arrivals, prompt lengths, shared prefixes, output lengths, tiny pools tha
 preemption, queue-full retries and aborts at every lifecycle state. After every step the
 integrity check holds, the budget and max_num_seqs hold, every scheduled chunk is the request's
 true next tokens, and no block that held computed (cached) tokens before the step is written.
+With `spec_rate`, decoding requests get random drafts that the made-up runner accepts in part: the
+rejected drafts' KV must never be read back as context and never reach the prefix cache.
 At the end every request has exactly one finish event and the pool is entirely free.
 """
 
@@ -85,13 +87,14 @@ def scenarios(draw, abort_rate=0.35, pool_slack=12, requests=(1, 12), max_arriva
         enable_prefix_caching=draw(st.sampled_from([True, True, False])),
     )
     eos_rate = draw(st.sampled_from([0.0, 0.05, 0.15]))
-    return config, specs, seed, eos_rate
+    spec_rate = draw(st.sampled_from([0.0, 0.0, 0.5]))
+    return config, specs, seed, eos_rate, spec_rate
 
 
 class Driver:
     """Runs one scenario, checking every step; records each request's tokens and finish."""
 
-    def __init__(self, config: dict, specs: list[Spec], seed: int, eos_rate: float) -> None:
+    def __init__(self, config: dict, specs: list[Spec], seed: int, eos_rate: float, spec_rate: float = 0.0) -> None:
         self.sched = make_scheduler(**config)
         self.cfg = self.sched.config
         self.kv = self.sched.kv_cache_manager
@@ -99,6 +102,8 @@ class Driver:
         self.pending = sorted(specs, key=lambda s: (s.arrival, s.rid))
         self.rng = random.Random(seed)
         self.eos_rate = eos_rate
+        self.spec_rate = spec_rate
+        self.accepted: dict[str, tuple] = {}  # rid -> (its ScheduledRequest, drafts accepted), this step
         self.pre_step_hashes: dict[int, bytes] = {}  # block id -> hash, before this step
         self.fresh: set[int] = set()  # blocks handed out by the pool during this step
         allocate = self.kv.pool.allocate
@@ -126,11 +131,13 @@ class Driver:
                                      f"{self.sched.num_waiting} waiting after {MAX_STEPS} steps")
             self.arrive()
             self.abort_matching(midstep=False, out=None)
+            self.propose_drafts()
             out = self.sched.schedule()
             self.check_output(out)
             self.abort_matching(midstep=True, out=out)
-            sampled = {s.request_id: self.sample() for s in out.scheduled if s.samples}
+            sampled = {s.request_id: self.verify(s) for s in out.scheduled if s.samples}
             self.record(self.sched.update(out, sampled), sampled)
+            self.accepted.clear()
             self.sched.check_integrity()
             self.step_no += 1
         self.check_end()
@@ -155,6 +162,26 @@ class Driver:
             if self.rng.random() < 0.1:  # a duplicate id in flight is rejected, nothing changes
                 with pytest.raises(DuplicateRequestError):
                     self.sched.add(make_request(s.rid, [5], max_tokens=1))
+
+    def propose_drafts(self) -> None:
+        """Random drafts for some decoding requests, never past their max_tokens."""
+        for rid in self.tokens:
+            req = self.sched.get_request(rid)
+            if req is None or req.status is not RequestStatus.RUNNING or self.rng.random() >= self.spec_rate:
+                continue
+            room = req.max_tokens - req.num_output_tokens - 1
+            if req.num_tokens - req.num_computed_tokens == 1 and room > 0:
+                k = self.rng.randint(1, min(room, 5))
+                req.spec_token_ids = tuple(self.rng.randrange(2, 10) for _ in range(k))
+                req.num_spec_tokens = k
+
+    def verify(self, scheduled) -> int | list[int]:
+        """The made-up runner: a plain sample, or a random prefix of the drafts plus its own token."""
+        if not scheduled.num_draft_tokens:
+            return self.sample()
+        accepted = self.rng.randint(0, scheduled.num_draft_tokens)
+        self.accepted[scheduled.request_id] = (scheduled, accepted)
+        return [*scheduled.draft_token_ids[:accepted], self.sample()]
 
     def sample(self) -> int:
         x = self.rng.random()
@@ -198,7 +225,7 @@ class Driver:
 
     def check_output(self, out) -> None:
         cfg, bs = self.cfg, self.cfg.block_size
-        assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
+        assert out.num_batched_tokens == sum(len(s.token_ids) + s.num_draft_tokens for s in out.scheduled)
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs and self.sched.num_running <= cfg.max_num_seqs
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
@@ -208,9 +235,10 @@ class Driver:
             end = s.start_position + len(s.token_ids)
             assert len(s.token_ids) >= 1 and s.token_ids == tuple(truth[s.start_position:end])
             assert s.samples == (end == len(truth))
-            assert len(s.block_table) * bs >= end
+            assert len(s.block_table) * bs >= end + s.num_draft_tokens
             assert list(s.block_table) == self.kv.block_table(s.request_id)
-            blocks = {s.block_table[p // bs] for p in range(s.start_position, end)}
+            assert s.num_draft_tokens == 0 or (s.samples and len(s.token_ids) == 1)
+            blocks = {s.block_table[p // bs] for p in range(s.start_position, end + s.num_draft_tokens)}
             assert not blocks & written, "two requests write the same block in one step"
             written |= blocks
             # A block cached before this step holds computed tokens: written only if it was
@@ -228,6 +256,9 @@ class Driver:
             fps, salt = self.fingerprints_of(s.request_id), self.specs[s.request_id].salt
             for p in range(s.start_position, s.start_position + len(s.token_ids)):
                 self.kv_slots[s.block_table[p // bs] * bs + p % bs] = (fps[p], salt)
+            end = s.start_position + len(s.token_ids)
+            for p in range(end, end + s.num_draft_tokens):  # unverified: must never be read as context
+                self.kv_slots[s.block_table[p // bs] * bs + p % bs] = ("draft", s.draft_token_ids[p - end])
         for s in out.scheduled:
             fps, salt = self.fingerprints_of(s.request_id), self.specs[s.request_id].salt
             for p in range(s.start_position):
@@ -246,11 +277,24 @@ class Driver:
     def record(self, events, sampled) -> None:
         for ev in events:
             assert ev.request_id not in self.finished, f"event after finish for {ev.request_id}"
-            assert ev.new_token_ids == (sampled[ev.request_id],)
+            value = sampled[ev.request_id]
             truth = self.tokens[ev.request_id]
-            truth.extend(ev.new_token_ids)
-            expect = self.expected_reason(self.specs[ev.request_id], truth)
+            expect = None
+            appended = []
+            for token in (value if isinstance(value, list) else [value]):  # stops cut an accepted run
+                truth.append(token)
+                appended.append(token)
+                expect = self.expected_reason(self.specs[ev.request_id], truth)
+                if expect is not None:
+                    break
+            assert ev.new_token_ids == tuple(appended)
             assert ev.finish_reason == expect
+            if ev.request_id in self.accepted:  # an accepted draft's KV is that token's true KV
+                scheduled, accepted = self.accepted.pop(ev.request_id)
+                fps, salt, bs = self.fingerprints_of(ev.request_id), self.specs[ev.request_id].salt, self.cfg.block_size
+                end = scheduled.start_position + 1
+                for p in range(end, end + min(accepted, len(appended))):
+                    self.kv_slots[scheduled.block_table[p // bs] * bs + p % bs] = (fps[p], salt)
             if expect is not None:
                 assert ev.stop_token_id == (truth[-1] if expect == "stop" else None)
                 self.note_finish(ev.request_id, expect)
@@ -281,8 +325,8 @@ class Driver:
         self.kv.check_integrity([])
 
 
-def run_scenario(config: dict, specs: list[Spec], seed: int, eos_rate: float = 0.1) -> Driver:
-    driver = Driver(config, specs, seed, eos_rate)
+def run_scenario(config: dict, specs: list[Spec], seed: int, eos_rate: float = 0.1, spec_rate: float = 0.0) -> Driver:
+    driver = Driver(config, specs, seed, eos_rate, spec_rate)
     driver.run()
     return driver
 
@@ -308,6 +352,13 @@ def test_random_traffic_with_aborts_everywhere(scenario):
 @given(scenarios(abort_rate=0.2, pool_slack=2, requests=(3, 16), max_arrival=4))
 def test_tiny_pools(scenario):
     run_scenario(*scenario)
+
+
+@settings(max_examples=300, **COMMON)
+@given(scenarios(abort_rate=0.3, pool_slack=4))
+def test_random_traffic_with_speculative_rows(scenario):
+    config, specs, seed, eos_rate, _ = scenario
+    run_scenario(config, specs, seed, eos_rate, spec_rate=0.6)
 
 
 @pytest.mark.parametrize(
