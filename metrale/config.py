@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from metrale.speculative.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -33,6 +34,8 @@ class EngineConfig:
     seed: seeds the unseeded requests' sampling.
     failpoints: faults to inject, as METRALE_FAILPOINTS spells them (metrale.failpoints); None reads
         that variable when the engine starts.
+    speculative_config: speculative decoding (metrale.speculative): a SpeculativeConfig, or a dict /
+        JSON string of one, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
         max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
         model's context length, capped at 8192, when the engine starts.
@@ -43,6 +46,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1024 * MiB
     seed: int = 0
     failpoints: str | None = None
+    speculative_config: SpeculativeConfig | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -58,6 +62,7 @@ class EngineConfig:
         if not isinstance(base, SchedulerConfig):
             raise ValueError(f"EngineConfig.scheduler must be a SchedulerConfig, got {type(base).__name__}")
         object.__setattr__(self, "scheduler", dataclasses.replace(base, **scheduling) if scheduling else base)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._validate()
 
     def __getattr__(self, name: str) -> Any:

@@ -77,6 +77,11 @@ class Scheduler:
         """Waiting requests, preempted ones included."""
         return len(self._waiting)
 
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """The running requests, most urgent first (a copy)."""
+        return tuple(self._running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

@@ -38,6 +38,8 @@ from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import CompletionResult, EngineStats
 from metrale.sampling_params import SamplingParams
+from metrale.speculative.proposers import HostProposer
+from metrale.speculative.speculator import Speculator
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
@@ -60,7 +62,10 @@ def _model_label(model: str | None) -> str:
 class AsyncEngine:
     """Continuous-batching engine: many concurrent requests, one batched forward per step."""
 
-    def __init__(self, config: EngineConfig | None = None, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, registry: CollectorRegistry | None = None,
+                 proposer: HostProposer | None = None) -> None:
+        """`proposer`: a host-side draft proposer to speculate with instead of the configured method's
+        (metrale.speculative.proposers; needs a speculative_config for num_speculative_tokens and the policy)."""
         self.config = config or EngineConfig()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, model_name=_model_label(self.config.model))
@@ -75,6 +80,12 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failpoints = Failpoints.from_env(self.config.failpoints, seed=self.config.seed)
+        spec = self.config.speculative_config
+        if proposer is not None and spec is None:
+            raise ValueError("a proposer needs EngineConfig(speculative_config=...): how many drafts, and when")
+        self._speculator = Speculator(spec, proposer) if spec is not None else None
+        if spec is not None:
+            self.metrics.enable_speculation(spec.num_speculative_tokens)
         self._tokenize_thread: ThreadPoolExecutor | None = None
 
     # ---- lifecycle ----
@@ -97,7 +108,8 @@ class AsyncEngine:
             loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self._init_text(loaded)
         self.metrics.set_max_model_len(self._max_model_len)
-        self._core = EngineCore(self._build_scheduler(), self._runner, self._mlx, self.metrics, self._failpoints)
+        self._core = EngineCore(self._build_scheduler(), self._runner, self._mlx, self.metrics, self._failpoints,
+                                self._speculator)
         if self._failpoints:
             logger.warning("failpoints armed: %s", self._failpoints.points)
         self.metrics.set_info(model=self.model_name, dtype=self._runner.dtype_name,

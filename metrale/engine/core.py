@@ -23,11 +23,12 @@ from metrale.engine.executor import StepExecutor, StepOutcome
 from metrale.engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.request_state import RequestState
-from metrale.engine.runner import ModelRunner, SamplingRow
+from metrale.engine.runner import ModelRunner, SamplingRow, StepInput
 from metrale.engine.stream import OutputChannel
 from metrale.errors import EngineDeadError
 from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
 from metrale.sampling_params import SamplingParams
+from metrale.speculative.speculator import Speculator
 from metrale.text.processor import RequestText
 from scheduler import Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
@@ -39,7 +40,8 @@ class EngineCore:
     """Runs steps while there is work; delivers every request exactly one final delta."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, mlx_thread: MLXThread,
-                 metrics: EngineMetrics, failpoints: Failpoints = NO_FAILPOINTS) -> None:
+                 metrics: EngineMetrics, failpoints: Failpoints = NO_FAILPOINTS,
+                 speculator: Speculator | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = metrics
@@ -56,6 +58,8 @@ class EngineCore:
         self._wake = asyncio.Event()
         self._failed_steps_in_a_row = 0
         self._prefix_seen = (0, 0)
+        self._speculator = speculator
+        self._finished_since_step: list[str] = []  # told to the runner with the next step
 
     # ---- called by AsyncEngine (event-loop thread) ----
 
@@ -117,6 +121,8 @@ class EngineCore:
     async def step(self) -> None:
         if not self._schedule_failpoint():
             return
+        if self._speculator is not None:
+            self._speculator.propose(self.scheduler.running, lambda request_id: self.states[request_id].params)
         output = self.scheduler.schedule()
         if not output.scheduled:
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting "
@@ -124,11 +130,13 @@ class EngineCore:
         num_prompt_tokens = self._mark_scheduled(output)
         self.step_started = time.monotonic()
         try:
-            outcome = await self._executor.execute(output, self._sampling_rows(output))
+            outcome = await self._executor.execute(self._step_input(output))
         finally:
             self._note_step_time(time.monotonic() - self.step_started)
             self.step_started = None
         self._contain_failures(output, outcome)
+        if self._speculator is not None:
+            self.metrics.record_speculation(**vars(self._speculator.record(output, outcome.sampled_token_ids)))
         self._apply_aborts()  # an abort that arrived during the step wins over its last token
         self._postprocess(output, outcome, num_prompt_tokens)
         self.num_steps += 1
@@ -146,15 +154,19 @@ class EngineCore:
             return False
         return True
 
-    def _sampling_rows(self, output: SchedulerOutput) -> dict[str, SamplingRow]:
-        rows = {}
+    def _step_input(self, output: SchedulerOutput) -> StepInput:
+        """The runner's input: sampling rows, the contexts of drafts it proposes, who ended."""
+        rows, contexts = [], {}
         for scheduled in output.scheduled:
-            if scheduled.samples:
-                request = self.scheduler.get_request(scheduled.request_id)
-                rows[scheduled.request_id] = SamplingRow(
-                    scheduled.request_id, self.states[scheduled.request_id].params,
-                    request.prompt_token_ids, request.output_token_ids)
-        return rows
+            request = self.scheduler.get_request(scheduled.request_id)
+            if scheduled.num_draft_tokens:  # verified, not sampled
+                if not scheduled.draft_token_ids:
+                    contexts[scheduled.request_id] = tuple(request.all_token_ids)
+            elif scheduled.samples:
+                rows.append(SamplingRow(scheduled.request_id, self.states[scheduled.request_id].params,
+                                        request.prompt_token_ids, request.output_token_ids))
+        finished, self._finished_since_step = tuple(self._finished_since_step), []
+        return StepInput(output, tuple(rows), contexts, finished)
 
     def _mark_scheduled(self, output: SchedulerOutput) -> int:
         """Stamp first-scheduled times; returns the prompt tokens computed this step."""
@@ -260,6 +272,9 @@ class EngineCore:
     def _retire(self, state: RequestState, finish_reason: str, now: float) -> None:
         del self.states[state.request_id]
         self._pending_aborts.discard(state.request_id)
+        if self._speculator is not None:
+            self._speculator.forget(state.request_id)
+            self._finished_since_step.append(state.request_id)
         self.num_finished += 1
         times = state.times
         scheduled = times.first_scheduled

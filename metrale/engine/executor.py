@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 
 from metrale.engine.mlx_thread import MLXThread
-from metrale.engine.runner import SamplingRow, StepInput, StepResult
+from metrale.engine.runner import StepInput, StepResult
 from metrale.outputs import TokenLogprob
 from scheduler import ScheduledRequest, SchedulerOutput
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class StepOutcome:
     """What one step produced: tokens for the requests that ran, errors for those that failed."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: dict[str, int | list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     failed: dict[str, BaseException] = field(default_factory=dict)  # request id -> its error
     retried: bool = False  # the first attempt failed and the batch was split
@@ -49,46 +49,45 @@ class StepExecutor:
         self._runner = runner
         self._mlx = mlx_thread
 
-    async def execute(self, output: SchedulerOutput, rows: dict[str, SamplingRow]) -> StepOutcome:
-        """Run the step; `rows` are the sampling rows of the requests that sample, by id."""
+    async def execute(self, step: StepInput) -> StepOutcome:
+        """Run the step; on failure, its sub-batches."""
         outcome = StepOutcome()
-        error = await self._try(output.scheduled, output, rows, outcome)
+        output = step.scheduler_output
+        error = await self._try(output.scheduled, step, outcome)
         if error is None:
             return outcome
         logger.warning("step of %d requests failed (%s: %s); retrying in halves to find the culprit",
                        len(output.scheduled), type(error).__name__, error)
         outcome.retried = True
-        await self._bisect(output.scheduled, output, rows, outcome)
+        await self._bisect(output.scheduled, step, outcome)
         self._fail_sharers(output, outcome)
         return outcome
 
-    async def _try(self, group: tuple[ScheduledRequest, ...], output: SchedulerOutput,
-                   rows: dict[str, SamplingRow], outcome: StepOutcome) -> BaseException | None:
+    async def _try(self, group: tuple[ScheduledRequest, ...], step: StepInput,
+                   outcome: StepOutcome) -> BaseException | None:
         """Run `group` as one batch; merge its results into `outcome`, or return the error."""
-        sub = SchedulerOutput(group, sum(len(s.token_ids) for s in group), (), output.block_size)
-        step = StepInput(sub, tuple(rows[s.request_id] for s in group if s.request_id in rows))
+        sub = step if len(group) == len(step.scheduler_output.scheduled) else step.for_group(group)
         try:
-            result = await self._mlx.run(self._runner.execute, step)
+            result = await self._mlx.run(self._runner.execute, sub)
         except Exception as error:  # contained: the caller splits the batch
             return error
         outcome.sampled_token_ids.update(result.sampled_token_ids)
         outcome.logprobs.update(result.logprobs or {})
         return None
 
-    async def _bisect(self, group: tuple[ScheduledRequest, ...], output: SchedulerOutput,
-                      rows: dict[str, SamplingRow], outcome: StepOutcome) -> None:
+    async def _bisect(self, group: tuple[ScheduledRequest, ...], step: StepInput, outcome: StepOutcome) -> None:
         if len(group) == 1:  # it failed inside a larger batch: two tries alone, then it is the culprit
-            error = await self._try(group, output, rows, outcome)
+            error = await self._try(group, step, outcome)
             if error is not None:
-                error = await self._try(group, output, rows, outcome)
+                error = await self._try(group, step, outcome)
             if error is not None:
                 logger.error("request %s fails alone: %s: %s", group[0].request_id, type(error).__name__, error)
                 outcome.failed[group[0].request_id] = error
             return
         middle = len(group) // 2
         for half in (group[:middle], group[middle:]):
-            if len(half) == 1 or await self._try(half, output, rows, outcome) is not None:
-                await self._bisect(half, output, rows, outcome)
+            if len(half) == 1 or await self._try(half, step, outcome) is not None:
+                await self._bisect(half, step, outcome)
 
     @staticmethod
     def _fail_sharers(output: SchedulerOutput, outcome: StepOutcome) -> None:
@@ -98,8 +97,8 @@ class StepExecutor:
         size = output.block_size
         unwritten: dict[int, str] = {}  # block id -> the culprit that was computing it
         for s in output.scheduled:
-            if s.request_id in outcome.failed and s.token_ids:
-                first, last = s.start_position // size, (s.start_position + len(s.token_ids) - 1) // size
+            if s.request_id in outcome.failed and s.num_tokens:
+                first, last = s.start_position // size, (s.start_position + s.num_tokens - 1) // size
                 unwritten.update({block: s.request_id for block in s.block_table[first:last + 1]})
         for s in output.scheduled:
             if s.request_id in outcome.failed:

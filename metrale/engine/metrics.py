@@ -134,6 +134,37 @@ class EngineMetrics:
                           registry=reg)
         self._info.info({"model_name": model_name})
 
+    def enable_speculation(self, num_speculative_tokens: int) -> None:
+        """Register the speculative-decoding series (vLLM's spec_decode family), positions 0..k-1."""
+        reg, name = self.registry, self.model_name
+        self._spec_verified = Counter("metrale_spec_decode_num_drafts", "Draft runs verified (one per request "
+                                      "per step that speculated).", ["model_name"], registry=reg).labels(name)
+        self._spec_drafts = Counter("metrale_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                                    ["model_name"], registry=reg).labels(name)
+        self._spec_accepted = Counter("metrale_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                      ["model_name"], registry=reg).labels(name)
+        per_pos = Counter("metrale_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+                          "in the draft (0 is the first).", ["model_name", "position"], registry=reg)
+        drafts_pos = Counter("metrale_spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed, by position "
+                             "(acceptance rate per position = accepted_per_pos / draft_tokens_per_pos).",
+                             ["model_name", "position"], registry=reg)
+        self._spec_accepted_pos = [per_pos.labels(name, str(i)) for i in range(num_speculative_tokens)]
+        self._spec_drafts_pos = [drafts_pos.labels(name, str(i)) for i in range(num_speculative_tokens)]
+
+    def record_speculation(self, num_verified: int, num_drafts: int, num_accepted: int,
+                           drafts_per_position: list[int], accepted_per_position: list[int]) -> None:
+        """Account one step's verifications (after enable_speculation)."""
+        _check_counts(num_verified, num_drafts, num_accepted)
+        if num_accepted > num_drafts:
+            raise ValueError(f"accepted {num_accepted} > drafts {num_drafts}")
+        self._spec_verified.inc(num_verified)
+        self._spec_drafts.inc(num_drafts)
+        self._spec_accepted.inc(num_accepted)
+        for counter, count in zip(self._spec_drafts_pos, drafts_per_position):
+            counter.inc(count)
+        for counter, count in zip(self._spec_accepted_pos, accepted_per_position):
+            counter.inc(count)
+
     def set_max_model_len(self, max_model_len: int) -> None:
         """Register the length histograms with buckets up to `max_model_len` (once, at engine start)."""
         if self._prompt_len is not None:

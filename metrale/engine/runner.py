@@ -15,7 +15,7 @@ It owns the model, the KV pools and the sampler, nothing of the text front-end.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from kernels.backend import Backends, select_backends
@@ -28,7 +28,9 @@ from metrale.loading import LoadedModel, load_model
 from metrale.outputs import TokenLogprob
 from metrale.sampling.sampler import Sampler
 from metrale.sampling_params import SamplingParams
-from scheduler import SchedulerOutput
+from metrale.speculative.draft_model import DraftModelProposer, DraftRequest
+from metrale.speculative.verify import accepted_runs
+from scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -46,14 +48,50 @@ class SamplingRow:
 
 @dataclass(frozen=True, slots=True)
 class StepInput:
+    """One step for the runner.
+
+    sampling_rows: the requests that sample one token (in scheduled order; speculating ones are
+        verified instead). draft_contexts: the known tokens of the requests whose drafts the
+        runner's proposer makes. finished_request_ids: requests that ended since the previous step
+        (the runner forgets what it kept for them).
+    """
+
     scheduler_output: SchedulerOutput
     sampling_rows: tuple[SamplingRow, ...]
+    draft_contexts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    finished_request_ids: tuple[str, ...] = ()
+
+    def for_group(self, group: tuple[ScheduledRequest, ...]) -> "StepInput":
+        """The same step restricted to `group` (a sub-batch when a failed step is split)."""
+        ids = {s.request_id for s in group}
+        sub = SchedulerOutput(group, sum(s.num_tokens for s in group), (), self.scheduler_output.block_size)
+        return StepInput(sub, tuple(r for r in self.sampling_rows if r.request_id in ids),
+                         {rid: ctx for rid, ctx in self.draft_contexts.items() if rid in ids},
+                         self.finished_request_ids)
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    sampled_token_ids: dict[str, int]
+    """Per sampling request its token; per speculating request its accepted drafts then the target's
+    own token (a list)."""
+
+    sampled_token_ids: dict[str, int | list[int]]
     logprobs: dict[str, TokenLogprob] | None = None
+
+
+def _bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    mc = loaded.config
+    return PagedKVCache.bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim,
+                                        loaded.dtype)
+
+
+def check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
+    """ValueError unless the draft model speaks the target's tokenizer (same vocabulary and ids)."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                         f"target's ({target.config.vocab_size})")
+    if draft.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab():
+        raise ValueError("the draft model's tokenizer differs from the target's: drafts would be other tokens")
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -67,7 +105,7 @@ class ModelRunner:
     """Owns the model, the KV pools and the sampler; executes steps."""
 
     def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends,
-                 failpoints: Failpoints = NO_FAILPOINTS) -> None:
+                 failpoints: Failpoints = NO_FAILPOINTS, drafter: DraftModelProposer | None = None) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_name = loaded.path.stem
@@ -77,17 +115,35 @@ class ModelRunner:
         self.dtype_name = str(loaded.dtype).removeprefix("mlx.core.")
         self.sampler = Sampler(self.model_config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, seed=seed)
         self.failpoints = failpoints
+        self.drafter = drafter  # the runner-side proposer, when speculation uses a draft model
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig,
                     failpoints: Failpoints = NO_FAILPOINTS) -> "ModelRunner":
-        """Allocate the KV pools from the budget and choose the kernels for a loaded model."""
+        """Allocate the KV pools from the budget and choose the kernels for a loaded model (and load
+        the draft model, whose pools share the budget, when speculation uses one)."""
         mc = loaded.config
-        kv_cache = PagedKVCache.from_budget(config.kv_cache_bytes, mc.num_hidden_layers, config.block_size,
-                                            mc.num_key_value_heads, mc.head_dim, loaded.dtype)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_model(spec.model, dtype=loaded.dtype)
+            check_draft_model(loaded, draft)
+        per_block = _bytes_per_block(loaded, config.block_size) + (_bytes_per_block(draft, config.block_size) if draft else 0)
+        num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV budget of {config.kv_cache_bytes} bytes holds no block of {per_block} bytes")
+        kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
+                                mc.head_dim, loaded.dtype)
         backends = select_backends()
         logger.info("kernels: %s", backends.describe())
-        return cls(loaded, kv_cache, config.seed, backends, failpoints)
+        drafter = None
+        if draft is not None:
+            dc = draft.config
+            draft_cache = PagedKVCache(dc.num_hidden_layers, num_blocks, config.block_size, dc.num_key_value_heads,
+                                       dc.head_dim, draft.dtype)
+            drafter = DraftModelProposer(draft.model, draft_cache, backends.attention)
+            logger.info("speculating with draft model %s (%d layers)", draft.path.name, dc.num_hidden_layers)
+        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "ModelRunner":
@@ -96,36 +152,66 @@ class ModelRunner:
         return cls.from_loaded(load_model(config.model, dtype=resolve_dtype(config.dtype)), config)
 
     def execute(self, step: StepInput) -> StepResult:
-        """One forward over every scheduled token; samples where a request reaches its end."""
+        """One forward over every scheduled token (drafts included); samples where a request reaches
+        its end, verifies where it speculates."""
         scheduled = step.scheduler_output.scheduled
         if self.failpoints:
             self.failpoints.check_any("execute", [s.request_id for s in scheduled])
+        if self.drafter is not None and step.finished_request_ids:
+            self.drafter.forget(step.finished_request_ids)
+        drafts = self._drafts(step)  # request id -> its draft tokens
         metadata = AttentionMetadata.build(
-            [len(s.token_ids) for s in scheduled],
-            [s.start_position + len(s.token_ids) for s in scheduled],
+            [s.num_tokens for s in scheduled],
+            [s.start_position + s.num_tokens for s in scheduled],
             [s.block_table for s in scheduled],
             self.kv_cache.block_size,
             backend=self.backends.attention)
-        token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)  # (T,)
-        hidden = self.model(token_ids, metadata.positions, self.kv_cache, metadata)  # (T, D)
-        if not step.sampling_rows:  # only prompt chunks that sample nothing: just fill the pools
+        flat = [t for s in scheduled for t in (*s.token_ids, *drafts.get(s.request_id, ()))]
+        hidden = self.model(mx.array(flat, dtype=mx.int32), metadata.positions, self.kv_cache, metadata)  # (T, D)
+        sample_rows, verify_rows, row = [], [], 0
+        for s in scheduled:
+            row += s.num_tokens
+            if s.num_draft_tokens:  # the last known token's row and each draft's
+                verify_rows.extend(range(row - s.num_draft_tokens - 1, row))
+            elif s.samples:
+                sample_rows.append(row - 1)
+        if not sample_rows and not verify_rows:  # only prompt chunks that sample nothing: just fill the pools
             mx.eval(self._pools())
             return StepResult({})
-        sample_index, row = [], 0
-        for s in scheduled:
-            row += len(s.token_ids)
-            if s.samples:
-                sample_index.append(row - 1)
-        logits = self.model.compute_logits(hidden[mx.array(sample_index, dtype=mx.int32)])  # (S', V)
+        rows = mx.array(sample_rows + verify_rows, dtype=mx.int32)
+        logits = self.model.compute_logits(hidden[rows])  # (S' + sum(k + 1), V)
         mx.eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
-        if self.failpoints:
-            for row in step.sampling_rows:
-                self.failpoints.check("sample", row.request_id)
-        output = self.sampler.sample(logits, self.sampler.prepare(step.sampling_rows))
-        ids = [r.request_id for r in step.sampling_rows]
-        sampled = dict(zip(ids, output.token_ids))
-        logprobs = {i: lp for i, lp in zip(ids, output.logprobs) if lp is not None} or None
+        sampled: dict[str, int | list[int]] = {}
+        logprobs = None
+        if sample_rows:
+            if self.failpoints:
+                for sampling_row in step.sampling_rows:
+                    self.failpoints.check("sample", sampling_row.request_id)
+            output = self.sampler.sample(logits[:len(sample_rows)], self.sampler.prepare(step.sampling_rows))
+            ids = [r.request_id for r in step.sampling_rows]
+            sampled.update(zip(ids, output.token_ids))
+            logprobs = {i: lp for i, lp in zip(ids, output.logprobs) if lp is not None} or None
+        if verify_rows:
+            speculating = [s for s in scheduled if s.num_draft_tokens]
+            runs = accepted_runs(logits[len(sample_rows):], [drafts[s.request_id] for s in speculating])
+            sampled.update((s.request_id, run) for s, run in zip(speculating, runs))
         return StepResult(sampled, logprobs)
+
+    def _drafts(self, step: StepInput) -> dict[str, tuple[int, ...]]:
+        """The drafts of every speculating request: given by the scheduler, or proposed here."""
+        drafts = {}
+        asks = []
+        for s in step.scheduler_output.scheduled:
+            if s.draft_token_ids:
+                drafts[s.request_id] = s.draft_token_ids
+            elif s.num_draft_tokens:
+                asks.append(DraftRequest(s.request_id, step.draft_contexts[s.request_id], s.block_table,
+                                         s.num_draft_tokens))
+        if asks:
+            if self.drafter is None:
+                raise RuntimeError(f"{len(asks)} requests want drafts from the runner, which has no draft model")
+            drafts.update((rid, tuple(d)) for rid, d in self.drafter.propose(asks).items())
+        return drafts
 
     def _pools(self) -> list[mx.array]:
         return [pool for layer in range(self.kv_cache.num_layers) for pool in self.kv_cache.layer(layer)]

@@ -63,6 +63,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=defaults.block_size)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=defaults.seed)
+    engine.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                             '\'{"method": "draft_model", "model": "small.gguf"}\' (default: off)')
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
@@ -90,7 +93,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-                        seed=args.seed)
+                        seed=args.seed, speculative_config=args.speculative_config)
 
 
 class DrainingServer(uvicorn.Server):
@@ -159,7 +162,12 @@ def run_serve(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     for collector in (ProcessCollector, PlatformCollector, GCCollector):
         collector(registry=registry)
-    engine = AsyncEngine(engine_config(args), registry=registry)
+    try:
+        engine_cfg = engine_config(args)
+    except ValueError as error:  # a bad flag value: say which, no traceback
+        print(f"metrale serve: error: {error}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(engine_cfg, registry=registry)
     app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace)

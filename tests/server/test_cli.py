@@ -46,3 +46,12 @@ def test_the_metrale_command_has_serve():
     from metrale.cli import build_parser
     args = build_parser().parse_args(["serve", "--port", "1234"])
     assert args.command == "serve" and args.port == 1234
+
+
+def test_a_bad_flag_value_is_an_error_line_not_a_traceback():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "metrale.cli", "serve", "--speculative-config", "{bad"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith("metrale serve: error: speculative_config")
