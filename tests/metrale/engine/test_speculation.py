@@ -143,3 +143,21 @@ async def test_aborts_and_preemption_in_the_middle_of_speculative_steps(tiny_mod
         assert engine.stats().num_preemptions > 0
         await wait_idle(engine)
         assert_clean(engine)
+
+
+@pytest.mark.real_model
+async def test_ngram_speculation_on_the_real_model_equals_plain_greedy():
+    passage = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
+               "polished the great lens, and wrote the weather in a small leather book.")
+    chats = [[{"role": "user", "content": f"{task}\n\n{passage}"}]
+             for task in ("Repeat the following passage word for word:", "Copy the text below exactly:")]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    outputs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}):
+        async with AsyncEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=4, speculative_config=spec)) as engine:
+            outputs.append(await asyncio.gather(*(collect(engine.chat(m, params)) for m in chats)))
+            if spec is not None:
+                drafts, accepted_tokens = accepted(engine)
+                assert accepted_tokens > 0.5 * drafts > 0  # the copy task is what prompt lookup is for
+            assert_clean(engine)
+    assert outputs[0] == outputs[1]
