@@ -42,6 +42,7 @@ class EngineCore:
         self.dead: BaseException | None = None
         self._mlx = mlx_thread
         self._pending_aborts: set[str] = set()
+        self._finished_ids: list[str] = []  # retired since the last step: the runner drops their state
         self._wake = asyncio.Event()
         self._prefix_seen = (0, 0)
 
@@ -110,6 +111,9 @@ class EngineCore:
             self.num_steps += 1
             return
         self._apply_aborts()  # an abort that arrived during the step wins over its last token
+        for request_id, error in (result.failed_requests or {}).items():  # e.g. its grammar did not compile
+            logger.warning("request %s failed in step %d: %s", request_id, self.num_steps, error)
+            self._fail(request_id, error)
         self._postprocess(output, result, num_prompt_tokens)
         self.num_steps += 1
 
@@ -120,7 +124,8 @@ class EngineCore:
                 request = self.scheduler.get_request(scheduled.request_id)
                 rows.append(SamplingRow(scheduled.request_id, self.states[scheduled.request_id].params,
                                         request.prompt_token_ids, request.output_token_ids))
-        return StepInput(output, tuple(rows))
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return StepInput(output, tuple(rows), finished)
 
     def _mark_scheduled(self, output: SchedulerOutput) -> int:
         """Stamp first-scheduled times; returns the prompt tokens computed this step."""
@@ -152,11 +157,15 @@ class EngineCore:
                 else:
                     itls.append(now - times.last_token)
                 times.last_token = now
+            finish_reason = event.finish_reason
+            if finish_reason is None and event.request_id in result.stopped_request_ids:  # its grammar is complete
+                self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
+                finish_reason = "stop"
             logprobs = result.logprobs.get(event.request_id) if result.logprobs else None
-            delta = state.on_tokens(event.new_token_ids, event.finish_reason,
+            delta = state.on_tokens(event.new_token_ids, finish_reason,
                                     hide_last_token=event.stop_token_id is not None,
                                     logprobs=[logprobs] if logprobs is not None else None)
-            if delta.stop_string_matched and event.finish_reason is None:
+            if delta.stop_string_matched and finish_reason is None:
                 self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
             state.channel.put(delta.output)
             if delta.output.finish_reason is not None:
@@ -195,6 +204,7 @@ class EngineCore:
 
     def _retire(self, state: RequestState, finish_reason: str, now: float) -> None:
         del self.states[state.request_id]
+        self._finished_ids.append(state.request_id)
         self._pending_aborts.discard(state.request_id)
         self.num_finished += 1
         times = state.times
