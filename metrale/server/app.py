@@ -40,17 +40,20 @@ class ServerApp:
     api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (/health, /metrics stay open).
     served_model_name: the model id clients use; the engine's model name by default.
     default_max_tokens: max_tokens of a chat request that sets none (completions default to 16).
+    tool_call_parser: how the model writes tool calls (a metrale.text.tool_parsers format); by default
+        what the engine reads from the model's chat template.
     on_fatal: called (no arguments) when the engine fails to start, so the process can exit.
     """
 
     def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int = 512,
-                 manage_engine: bool = True,
+                 manage_engine: bool = True, tool_call_parser: str | None = None,
                  on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.manage_engine = manage_engine
+        self.tool_call_parser = tool_call_parser
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
@@ -120,7 +123,8 @@ class ServerApp:
                 raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
             body = await read_body(scope, receive, self.max_body_bytes)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
-                                            send, receive, default_max_tokens=self.default_max_tokens)
+                                            send, receive, default_max_tokens=self.default_max_tokens,
+                                            tool_call_format=self.tool_call_parser)
         if path == "/v1/models":
             return await self._only(method, "GET", send_json(send, 200, {"object": "list",
                                                                          "data": [self._model_card()]}))

@@ -71,6 +71,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--shutdown-timeout", type=float, default=30.0,
                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    http.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                      help="how the model writes tool calls (default: read from its chat template)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -144,7 +146,8 @@ def run_serve(args: argparse.Namespace) -> int:
         collector(registry=registry)
     engine = AsyncEngine(engine_config(args), registry=registry)
     app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                    max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
+                    max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                    tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="auto", http="h11", lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,
                             log_level="info", log_config=None)
