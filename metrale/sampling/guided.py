@@ -41,8 +41,9 @@ from metrale.structured_outputs import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 EXTRA_HINT = "structured outputs need llguidance: pip install 'metrale[structured]'"
-# Bounded whitespace between JSON tokens: pretty-printing fits, endless whitespace does not.
-JSON_OPTIONS = {"whitespace_pattern": r"[ \t\n]{0,16}"}
+# Whitespace between JSON tokens: compact, json.dumps style or pretty-printed (one newline and an
+# indentation of up to 20) fit; endless whitespace, which a weak model can emit forever, does not.
+JSON_OPTIONS = {"whitespace_pattern": r"(?:\n[ \t]{0,20}|[ \t]{0,2})"}
 PARALLEL_FILL_MIN_ROWS = 8  # fill masks on llguidance's thread pool from this many rows (and >= 4 CPUs)
 
 
