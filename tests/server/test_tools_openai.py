@@ -106,7 +106,8 @@ def test_auto_parses_a_hermes_call_streamed_and_not(client):
 
 
 def test_round_trip_renders_the_call_and_the_result_through_the_template(client, model_path):
-    first = create(client, tools=TOOLS, tool_choice="required", temperature=0)
+    first = create(client, tools=TOOLS, tool_choice="required", temperature=0, parallel_tool_calls=False)
+    assert first.choices[0].finish_reason == "tool_calls"
     assistant = first.choices[0].message.model_dump(exclude_none=True)
     history = [*MESSAGES, assistant,
                *({"role": "tool", "tool_call_id": c["id"], "content": '{"temperature": 12}'}
