@@ -7,7 +7,7 @@ plain Python goes out (one token id per sampling request):
         model(token_ids, positions, kv_cache, metadata) -> hidden (T, D)
         logits = model.compute_logits(hidden[sample_index])                     (S', V)
         mx.async_eval(logits, pools)     the forward and this step's K/V writes start together
-        constraints.prepare(rows)        meanwhile on the host: grammar / allowed-token bitmask rows
+        constraints.prepare(rows)        meanwhile on the host: grammar / allowed-token bitmask
         sampler.sample(logits, batch)    -> S' token ids (a second, small evaluation and one .tolist())
         constraints.accept(...)          grammars take their sampled tokens
 
@@ -127,7 +127,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[mx.array(sample_index, dtype=mx.int32)])  # (S', V)
         mx.async_eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
         masks = self.constraints.prepare(step.sampling_rows)  # host work while the forward runs
-        batch = self.sampler.prepare(step.sampling_rows, masks.rows, masks.bitmask)
+        batch = self.sampler.prepare(step.sampling_rows, masks.bitmask)
         output = self.sampler.sample(logits, batch)
         outcome = self.constraints.accept(step.sampling_rows, output.token_ids, masks)
         ids = [r.request_id for r in step.sampling_rows]

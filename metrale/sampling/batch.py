@@ -6,9 +6,9 @@ from plain Python. Randomness is ONE uniform number per sampled row, drawn here:
 uniform depends only on (seed, output position), so its token never depends on the batch around it;
 unseeded rows draw from the sampler's own generator.
 
-Token restrictions ride along: bitmask rows (grammars and allowed_token_ids, filled on the host by
-metrale.sampling.constraints), banned (row, token) pairs (min_tokens, bad words) and logit_bias entries;
-rows without any pay nothing.
+Token restrictions ride along: a bitmask (grammars and allowed_token_ids, filled on the host by
+metrale.sampling.constraints; all-ones rows for the other rows of a step that has any), banned
+(row, token) pairs (min_tokens, bad words) and logit_bias entries; a step without any pays nothing.
 """
 
 from __future__ import annotations
@@ -66,14 +66,6 @@ class Penalties:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenBitmask:
-    """Allowed tokens of the constrained rows: bit t % 32 of word t // 32 of a row allows token t."""
-
-    rows: mx.array | None  # (R,) int32 row indices into the logits; None: every row, in order
-    mask: mx.array  # (R, W) int32, W * 32 >= V
-
-
-@dataclass(frozen=True, slots=True)
 class LogitBias:
     """logit_bias entries of the step: logits[rows[i], token_ids[i]] += values[i]."""
 
@@ -94,7 +86,7 @@ class SamplingBatch:
     inverse_order: mx.array | None  # (S,) int32 position of each row in concat(groups); None: identity
     penalties: Penalties | None
     banned: tuple[mx.array, mx.array] | None  # (B,) rows, (B,) token ids that must not be sampled
-    bitmask: TokenBitmask | None = None
+    bitmask: mx.array | None = None  # (S, W) int32, W * 32 >= V: bit t % 32 of word t // 32 allows token t
     logit_bias: LogitBias | None = None
     logprob_rows: tuple[int, ...] = ()  # rows that want logprobs
     num_logprobs: tuple[int, ...] = ()  # top alternatives per logprob row
@@ -115,10 +107,9 @@ class BatchBuilder:
         self.eos_token_ids = tuple(eos_token_ids)
         self._rng = random.Random(seed)
 
-    def build(self, rows: Sequence[SamplingRowLike], mask_rows: Sequence[int] = (),
-              bitmask: np.ndarray | None = None) -> SamplingBatch:
-        """Per-row Python params -> the step's arrays and host-side row groups. `bitmask` (R, W) int32
-        holds the allowed tokens of rows `mask_rows` (metrale.sampling.constraints fills it)."""
+    def build(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
+        """Per-row Python params -> the step's arrays and host-side row groups. `bitmask` (S, W) int32
+        holds each row's allowed tokens (metrale.sampling.constraints fills it)."""
         groups: tuple[list[int], list[int], list[int]] = ([], [], [])
         for index, row in enumerate(rows):
             params = row.params
@@ -137,8 +128,7 @@ class BatchBuilder:
             inverse_order=None if order == sorted(order) else index_array(np.argsort(order)),
             penalties=penalties_of(rows, self.vocab_size),
             banned=self._banned(rows),
-            bitmask=TokenBitmask(row_index(list(mask_rows), len(rows)), mx.array(bitmask))
-            if bitmask is not None and len(mask_rows) else None,
+            bitmask=mx.array(bitmask) if bitmask is not None else None,
             logit_bias=logit_bias_of(rows, self.vocab_size),
             logprob_rows=logprob_rows,
             num_logprobs=tuple(rows[i].params.logprobs or 0 for i in logprob_rows))

@@ -3,10 +3,11 @@
 The runner owns one `TokenConstraints`. Each step, for the rows that sample:
 
     forget(finished ids)              drop the state of requests that ended (StepInput.finished_request_ids)
-    masks = prepare(rows)             host: one int32 bitmask row per constrained row, filled while the
-                                      forward runs (grammar rows from their matcher, allowed_token_ids
-                                      rows from a mask made once per request; both AND-ed)
-    ... the sampler applies masks.bitmask to those rows only ...
+    masks = prepare(rows)             host: an (S, W) int32 bitmask, filled while the forward runs
+                                      (grammar rows from their matcher, allowed_token_ids rows from a
+                                      mask made once per request, AND-ed; other rows all ones), or
+                                      None when no row is constrained
+    ... the sampler applies masks.bitmask ...
     outcome = accept(rows, tokens, masks)   each grammar row's matcher takes its sampled token
 
 A request's matcher is created the first time one of its rows is seen (waiting here for its grammar if
@@ -42,8 +43,8 @@ class ConstrainedRowLike(Protocol):
 class StepMasks:
     """One step's bitmask rows, and the requests whose constraint failed before sampling."""
 
-    rows: list[int] = field(default_factory=list)  # batch rows that have a bitmask row, ascending
-    bitmask: np.ndarray | None = None  # (len(rows), W) int32: bit t % 32 of word t // 32 allows token t
+    rows: list[int] = field(default_factory=list)  # the constrained batch rows, ascending
+    bitmask: np.ndarray | None = None  # (S, W) int32: bit t % 32 of word t // 32 allows token t; None: no row
     grammar_rows: list[tuple[int, GrammarMatcher]] = field(default_factory=list)  # (batch row, matcher)
     errors: dict[str, BaseException] = field(default_factory=dict)  # request id -> why it must fail
 
@@ -95,19 +96,18 @@ class TokenConstraints:
                 matcher = self._matcher(row, masks.errors)
                 if matcher is None:
                     continue
-                masks.grammar_rows.append((len(masks.rows), matcher))
+                masks.grammar_rows.append((index, matcher))
             if params.allowed_token_ids is not None:
-                allowed_rows.append((len(masks.rows), self._allowed_mask(row)))
+                allowed_rows.append((index, self._allowed_mask(row)))
             masks.rows.append(index)
         if not masks.rows:
             return masks
-        masks.bitmask = np.full((len(masks.rows), self.mask_words), -1, dtype=np.int32)  # all allowed
+        masks.bitmask = np.full((len(rows), self.mask_words), -1, dtype=np.int32)  # all allowed
         if masks.grammar_rows:
-            pairs = [(matcher, position) for position, matcher in masks.grammar_rows]
+            pairs = [(matcher, index) for index, matcher in masks.grammar_rows]
             self.compiler.fill_bitmasks(pairs, masks.bitmask)  # type: ignore[union-attr]
-        for position, allowed in allowed_rows:
-            masks.bitmask[position] &= allowed
-        masks.grammar_rows = [(masks.rows[position], m) for position, m in masks.grammar_rows]
+        for index, allowed in allowed_rows:
+            masks.bitmask[index] &= allowed
         return masks
 
     def accept(self, rows: Sequence[ConstrainedRowLike], token_ids: Sequence[int], masks: StepMasks) -> ConstraintOutcome:

@@ -5,8 +5,8 @@ arrays out), then calls `Sampler.sample(logits, batch)`; both run on the MLX thr
 comes back as Python ints after one evaluation (two in a step with a top_p row whose nucleus may
 reach past its candidates, see below). Rows are split on the host by the work they need:
 
-    logits (S, V) -> bitmask rows (grammars, allowed_token_ids), bans (min_tokens, bad words),
-                     logit_bias, penalties: each only on the rows that have it
+    logits (S, V) -> bitmask (grammars, allowed_token_ids), bans (min_tokens, bad words), logit_bias,
+                     penalties: each only in steps that have it
       greedy rows      argmax                                          temperature 0
       full rows        x/T, min_p floor, inverse CDF over all V        no top_k, no top_p
       candidate rows   the K largest x; top_k, min_p, then top_p on    top_k or top_p
@@ -64,11 +64,10 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._builder = BatchBuilder(vocab_size, self.eos_token_ids, seed)
 
-    def prepare(self, rows: Sequence[SamplingRowLike], mask_rows: Sequence[int] = (),
-                bitmask: np.ndarray | None = None) -> SamplingBatch:
+    def prepare(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
         """Per-row Python params -> the step's arrays and host-side row groups (metrale.sampling.batch);
-        `bitmask` (R, W) int32 holds the allowed tokens of rows `mask_rows`."""
-        return self._builder.build(rows, mask_rows, bitmask)
+        `bitmask` (S, W) int32 holds each row's allowed tokens (metrale.sampling.constraints)."""
+        return self._builder.build(rows, bitmask)
 
     def sample(self, logits: mx.array, batch: SamplingBatch) -> SamplerOutput:
         """logits (S, V) float32 -> one token per row (and logprobs where asked), as Python values."""
