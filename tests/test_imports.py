@@ -130,3 +130,11 @@ def test_unknown_public_name_is_an_attribute_error(name):
 
     with pytest.raises(AttributeError, match="nope"):
         getattr(metrale, name.split(".")[1])
+
+
+def test_the_grammar_engine_is_imported_only_when_a_grammar_is_compiled():
+    code = ("import sys, metrale.engine.runner, metrale.engine.async_engine, metrale.server.app\n"
+            "print(sorted(m for m in sys.modules if m.startswith('llguidance')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]

@@ -78,10 +78,13 @@ def test_a_bad_constraint_names_its_problem(compiler, spec, problem):
     assert error.value.http_status == 400
 
 
-def test_missing_extra_is_a_400_naming_it(monkeypatch):
+def test_missing_extra_is_a_400_naming_it(compiler, monkeypatch):
     monkeypatch.setattr(guided, "llguidance_available", lambda: False)
-    with pytest.raises(StructuredOutputUnavailableError, match=r"metrale\[structured\]"):
+    with pytest.raises(StructuredOutputUnavailableError, match=r"metrale\[structured\]") as error:
         require_llguidance()
+    assert error.value.http_status == 400
+    with pytest.raises(StructuredOutputUnavailableError):
+        compiler.submit(StructuredOutputs(regex="a+"))
 
 
 def test_mask_allows_eos_only_when_the_grammar_may_end(compiler, tokenizer):
