@@ -84,7 +84,8 @@ def _schema_text(schema: Any) -> str:
         try:
             schema = jsonlib.loads(schema)
         except ValueError as error:
-            raise ValueError(f"structured_outputs.json must be a JSON schema; got text that is not JSON ({error})") from None
+            raise ValueError(f"structured_outputs.json must be a JSON schema; got text that is not JSON "
+                             f"({error})") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON schema (an object or a boolean), "
                          f"got {type(schema).__name__}")

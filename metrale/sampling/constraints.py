@@ -110,7 +110,8 @@ class TokenConstraints:
             masks.bitmask[index] &= allowed
         return masks
 
-    def accept(self, rows: Sequence[ConstrainedRowLike], token_ids: Sequence[int], masks: StepMasks) -> ConstraintOutcome:
+    def accept(self, rows: Sequence[ConstrainedRowLike], token_ids: Sequence[int],
+               masks: StepMasks) -> ConstraintOutcome:
         """Feed each grammar row its sampled token; report finished grammars and failures."""
         if not masks.grammar_rows and not masks.errors:
             return ConstraintOutcome()

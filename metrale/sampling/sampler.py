@@ -14,9 +14,9 @@ reach past its candidates, see below). Rows are split on the host by the work th
     tokens (S,) = concat(greedy, full, candidate)[inverse_order]
 
 Order of processing as in vLLM: allowed tokens -> bans -> logit_bias -> penalties -> temperature ->
-min_p and top_k -> top_p -> sample. Values tied with the k-th survive top_k. A top_p row without top_k starts from TOP_P_CANDIDATES
-candidates; a row whose nucleus is larger (rare) is re-run with 8x as many, up to the whole vocabulary
-(checking costs one small host sync in steps that have such rows).
+min_p and top_k -> top_p -> sample. Values tied with the k-th survive top_k. A top_p row without top_k
+starts from TOP_P_CANDIDATES candidates; a row whose nucleus is larger (rare) is re-run with 8x as many,
+up to the whole vocabulary (checking costs one small host sync in steps that have such rows).
 
 Randomness is ONE uniform number per sampled row, drawn on the host: a seeded row's uniform depends
 only on (seed, output position), so its token never depends on the batch around it; unseeded rows

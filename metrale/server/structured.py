@@ -13,6 +13,7 @@ by `prepare_error`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from metrale.server.errors import APIError, bad_request, from_engine_error
@@ -72,7 +73,8 @@ def prepare_error(error: Exception, source: str) -> APIError | None:
     message = api_error.message
     if message.startswith("structured_outputs.") and source != "structured_outputs":
         message = f"{source}: {message.split(': ', 1)[-1]}"
-    return APIError(api_error.status, message, param=source, code=api_error.code)
+    return APIError(api_error.status, message, param=source if api_error.status == 400 else None,
+                    code=api_error.code)
 
 
 def _response_format(response_format: Any) -> StructuredOutputs:
@@ -85,17 +87,18 @@ def _response_format(response_format: Any) -> StructuredOutputs:
     if spec is None or spec.schema is None:
         raise bad_request("response_format json_schema needs json_schema.schema (the JSON schema)",
                           "response_format")
-    return _build("response_format", lambda: StructuredOutputs(json=spec.schema))
+    return _build("response_format", lambda: StructuredOutputs(json=spec.schema), "response_format.json_schema.schema")
 
 
-def _build(field: str, make: Any) -> StructuredOutputs:
+def _build(field: str, make: Any, name: str | None = None) -> StructuredOutputs:
+    """make(); its ValueError as a 400 on `field`, the message naming `name` (default: the field)
+    instead of StructuredOutputs' own field, e.g. "guided_choice must be a non-empty list ..."."""
     try:
         return make()
     except (ValueError, TypeError) as error:
         message = str(error)
-        if field != "structured_outputs" and message.startswith("structured_outputs"):
-            message = f"{field}: {message.split(' ', 1)[-1]}" if field.startswith("guided") else \
-                f"{field}: {message}"
+        if field != "structured_outputs":
+            message = re.sub(r"^structured_outputs(\.\w+)?", name or field, message)
         raise bad_request(message, field) from None
 
 

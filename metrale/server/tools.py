@@ -64,7 +64,8 @@ class ToolPlan:
             return None
         if self.choice == "named":
             return ToolCallStream(NamedCallParser(self.named), forced=True)  # type: ignore[arg-type]
-        return ToolCallStream(make_parser("json_list" if self.choice == "required" else self.fmt))  # type: ignore[arg-type]
+        fmt = "json_list" if self.choice == "required" else self.fmt
+        return ToolCallStream(make_parser(fmt))  # type: ignore[arg-type]
 
     def _constraint(self) -> StructuredOutputs | None:
         if self.choice == "named":

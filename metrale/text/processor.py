@@ -50,7 +50,8 @@ class InputProcessor:
     def params(self, params: SamplingParams) -> SamplingParams:
         """The params to run with: token ids checked against the vocabulary (InvalidTokenIdError naming
         the field), and each bad word's token sequences added to bad_words_token_ids."""
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("bad_words_token_ids", [t for seq in params.bad_words_token_ids for t in seq])):
             bad = sorted({t for t in ids if t >= self.vocab_size})
             if bad:

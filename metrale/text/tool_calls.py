@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from metrale.text.json_scan import ObjectEnd, ObjectScanner, ScanError, ValueEnd, ValueStart, ValueText
+from metrale.text.json_scan import ObjectEnd, ObjectScanner, ValueEnd, ValueStart, ValueText
 
 _WHITESPACE = " \t\r\n"
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -84,9 +84,8 @@ class CallScanner:
             elif isinstance(event, ValueEnd):
                 self._value_end(event, out)
             elif isinstance(event, ObjectEnd) and self.name is not None and self._args_key is None:
-                self._arguments("{}", out)
-            elif isinstance(event, ScanError):
-                self._args_key = self._args_key or "<error>"
+                self._arguments("{}", out)  # a call without arguments
+            # ScanError: the scanner is done; a call whose name was out stays as far as it got
 
     def _value_end(self, event: ValueEnd, out: list[ToolCallDelta]) -> None:
         if event.key == "name" and self.name is None:

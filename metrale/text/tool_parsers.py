@@ -1,6 +1,7 @@
 """Tool calls in model output, for the formats of the families metrale loads (pure text, never mlx).
 
-    hermes        Qwen 2.5/3, Hermes, many fine-tunes:  text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
+    hermes        Qwen 2.5/3, Hermes, many fine-tunes:
+                  text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
     llama3_json   Llama 3.1+ with JSON tools: [<|python_tag|>]{"name": ..., "parameters": {...}}; {...}
                   (a tool call only when the output starts with the object)
     mistral       Mistral v0.3 / Nemo: text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]

@@ -21,7 +21,8 @@ HERMES_TOOLS_TEMPLATE = """{%- if tools %}
 {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
 {%- for tool_call in message.tool_calls %}
 {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' + (tool_call.arguments | tojson) + '}\\n</tool_call>' }}
+{{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' + (tool_call.arguments | tojson)
+    + '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
 {%- elif message.role == 'tool' %}

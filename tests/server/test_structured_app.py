@@ -19,7 +19,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
-CALL_WORDS = ("Sure", "<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"city": ', '"Oslo"}}', "\n</tool_call>")
+CALL_WORDS = ("Sure", "<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"city": ', '"Oslo"}}',
+              "\n</tool_call>")
 
 
 @pytest.fixture
@@ -154,7 +155,8 @@ async def test_auto_parses_the_models_tool_calls_streamed_and_not():
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content") or "" for d in deltas) == "Sure"
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
+    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
     assert all(set(tc) == {"index", "function"} for tc in calls[1:])
     assert "".join(tc["function"]["arguments"] for tc in calls) == '{"city": "Oslo"}'
     assert engine.chat_tools[-1] == [WEATHER]

@@ -94,7 +94,8 @@ def test_schemas_validate_streamed_and_not_in_a_batch_with_free_requests(server)
 
 
 def test_json_object_on_both_endpoints(client):
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe a dog as JSON with keys name and breed."}],
+    dog = [{"role": "user", "content": "Describe a dog as JSON with keys name and breed."}]
+    chat = client.chat.completions.create(model="m", messages=dog,
                                           max_tokens=120, temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(chat.choices[0].message.content), dict)
     text = client.completions.create(model="m", prompt="A JSON object describing a dog:", max_tokens=120,

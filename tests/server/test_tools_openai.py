@@ -120,7 +120,8 @@ def test_round_trip_renders_the_call_and_the_result_through_the_template(client,
 
     _, metadata = mx.load(str(model_path), return_metadata=True)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    decoded = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+    decoded = [{**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                       "arguments": json.loads(c["function"]["arguments"])}}
                                     for c in m["tool_calls"]]} if "tool_calls" in m else m for m in history]
     prompt = ChatTemplate(HERMES_TOOLS_TEMPLATE).render(decoded)  # tool_choice none: no tools in the prompt
     assert '<tool_call>\n{"name": "' in prompt and "<tool_response>" in prompt

@@ -33,8 +33,10 @@ NESTED = {"type": "object", "properties": {
         "type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3}},
         "required": ["id", "tags"], "additionalProperties": False},
     "status": {"enum": ["active", "banned", "pending"]}}, "required": ["user", "status"], "additionalProperties": False}
-LIST = {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}, "ok": {"type": "boolean"}},
-                                   "required": ["x", "ok"], "additionalProperties": False}, "minItems": 1, "maxItems": 3}
+LIST = {"type": "array", "items": {"type": "object",
+                                   "properties": {"x": {"type": "integer"}, "ok": {"type": "boolean"}},
+                                   "required": ["x", "ok"], "additionalProperties": False},
+        "minItems": 1, "maxItems": 3}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +168,8 @@ def test_random_logits_through_the_sampler_always_give_valid_outputs(compiler, t
             row.output_token_ids.append(token)
             if row.request_id in outcome.finished or (token in tokenizer.eos_token_ids and row.request_id != "free"):
                 finished[row.request_id] = row.output_token_ids
-    assert len(finished) == len(CASES) + 1, f"unfinished: {[r.request_id for r in rows if r.request_id not in finished]}"
+    unfinished = [r.request_id for r in rows if r.request_id not in finished]
+    assert len(finished) == len(CASES) + 1, f"unfinished: {unfinished}"
     for i, (spec, schema) in enumerate(CASES + [({"json": PERSON}, PERSON)]):
         ids = [t for t in finished[f"c{i}"] if t not in tokenizer.eos_token_ids]
         text = tokenizer.decode(ids)

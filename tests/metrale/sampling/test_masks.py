@@ -105,8 +105,8 @@ def test_masked_rows_keep_raw_logprobs_and_unmasked_rows_sample_as_before():
     x = logits(4)
     plain = [Row(SamplingParams(temperature=0.8, seed=i, logprobs=2), request_id=f"p{i}") for i in range(4)]
     before = Sampler(V, eos_token_ids=(EOS,), seed=0)(mx.array(x), plain)
-    mixed = plain[:2] + [Row(SamplingParams(temperature=0.8, seed=2, logprobs=2, allowed_token_ids=(9,)), request_id="m"),
-                         plain[3]]
+    only_9 = Row(SamplingParams(temperature=0.8, seed=2, logprobs=2, allowed_token_ids=(9,)), request_id="m")
+    mixed = [*plain[:2], only_9, plain[3]]
     constraints = TokenConstraints(V)
     masks = constraints.prepare(mixed)
     sampler = Sampler(V, eos_token_ids=(EOS,), seed=0)

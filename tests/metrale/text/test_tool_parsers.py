@@ -96,7 +96,8 @@ def test_named_call_streams_its_arguments():
     parser = NamedCallParser("get_weather")
     first = parser.feed('{"city"')
     assert first.tool_calls[0].name == "get_weather" and first.tool_calls[0].arguments == '{"city"'
-    assert collect([first, parser.feed(': "Oslo"}'), parser.finish()]) == expected("", [("get_weather", '{"city": "Oslo"}')])
+    rest = [parser.feed(': "Oslo"}'), parser.finish()]
+    assert collect([first, *rest]) == expected("", [("get_weather", '{"city": "Oslo"}')])
 
 
 @pytest.mark.parametrize(("template", "fmt"), [
