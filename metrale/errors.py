@@ -16,8 +16,8 @@ from scheduler.errors import (DuplicateRequestError, EmptyPromptError, InvalidPa
 __all__ = [
     "DuplicateRequestError", "EmptyPromptError", "EngineDeadError", "EngineDrainingError", "EngineNotRunningError",
     "EngineUnavailableError", "InvalidMessagesError", "InvalidParamsError", "InvalidPriorityError",
-    "InvalidPromptError", "InvalidTokenIdError", "PromptTooLongError", "QueueFullError", "RequestFailedError",
-    "RequestRejectedError",
+    "InvalidPromptError", "InvalidStructuredOutputError", "InvalidTokenIdError", "PromptTooLongError",
+    "QueueFullError", "RequestFailedError", "RequestRejectedError", "StructuredOutputUnavailableError",
 ]
 
 
@@ -31,6 +31,19 @@ class InvalidMessagesError(RequestRejectedError):
     """Chat messages the template cannot render (bad roles or content, or the template refused them)."""
 
     code = "invalid_messages"
+
+
+class InvalidStructuredOutputError(RequestRejectedError):
+    """A structured-output constraint the grammar engine cannot use (bad JSON schema, regex or grammar);
+    the message names the problem."""
+
+    code = "invalid_structured_output"
+
+
+class StructuredOutputUnavailableError(RequestRejectedError):
+    """Structured outputs (or a tool_choice that needs them) without the `metrale[structured]` extra."""
+
+    code = "structured_output_unavailable"
 
 
 class EngineUnavailableError(RuntimeError):

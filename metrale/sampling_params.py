@@ -6,8 +6,11 @@ from JSON or a dict (`from_dict`, `from_json`) runs the same checks and raises m
 ValidationError, which is a ValueError too.
 
 Ranges follow OpenAI where OpenAI defines the knob (temperature [0, 2], presence/frequency penalty
-[-2, 2], top_logprobs 0..20) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1]); the repetition
-penalty is bounded to [0.01, 100], where float32 logits divided or multiplied by it stay finite. Semantics of the penalties and of logprobs are documented in metrale/sampler.py.
+[-2, 2], top_logprobs 0..20, logit_bias -100..100) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1],
+allowed_token_ids, bad_words, structured_outputs); the repetition penalty is bounded to [0.01, 100],
+where float32 logits divided or multiplied by it stay finite. Semantics of the penalties and of
+logprobs are documented in metrale/sampling/sampler.py. Token ids are checked against the model's
+vocabulary when the request is submitted (the vocabulary is not known here).
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from typing import Any
 
 import msgspec
 
+from metrale.structured_outputs import StructuredOutputs
+
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 # float32 logits divided / multiplied by the penalty stay finite and ordered inside this range
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100..100
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -49,6 +55,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         likely alternatives.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     skip_special_tokens: leave special tokens (e.g. <|im_end|>) out of the detokenized text.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI semantics:
+        -100 effectively bans a token, +100 all but forces it).
+    allowed_token_ids: only these ids may be sampled (vLLM); None allows every id.
+    bad_words: strings whose token sequences must not be generated (vLLM): the last token of a bad
+        word is banned when the output ends with its other tokens. The engine tokenizes each word with
+        and without a leading space into bad_words_token_ids when the request is submitted.
+    bad_words_token_ids: token-id sequences banned the same way (the engine adds the bad_words' here).
+    structured_outputs: a JSON schema, regex, choice list or grammar the output must satisfy
+        (metrale.structured_outputs; needs the `metrale[structured]` extra). The output ends with
+        finish_reason "stop" as soon as the constraint is complete, even under ignore_eos/min_tokens.
     """
 
     max_tokens: int | None = 16
@@ -67,6 +83,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -90,6 +111,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        force = msgspec.structs.force_setattr
+        force(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            force(self, "allowed_token_ids", _normalize_token_ids(self.allowed_token_ids, "allowed_token_ids"))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must hold at least one token id, got []")
+        force(self, "bad_words", _normalize_strings("bad_words", self.bad_words))
+        force(self, "bad_words_token_ids", _normalize_sequences(self.bad_words_token_ids))
+        if self.structured_outputs is not None:
+            force(self, "structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
 
     # ---- derived ----
 
@@ -103,6 +134,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """True when any of the repetition / presence / frequency penalties is on."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def has_token_masks(self) -> bool:
+        """True when logit_bias, allowed_token_ids, bad words or structured outputs restrict the tokens."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.structured_outputs is not None)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -164,23 +201,51 @@ def _check_top_k(value: object) -> None:
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...] | None:
-    if stop is None:
+    return _normalize_strings("stop", stop)
+
+
+def _normalize_strings(name: str, value: object) -> tuple[str, ...] | None:
+    if value is None:
         return None
-    items = (stop,) if isinstance(stop, str) else stop
+    items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        raise ValueError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
     for item in items:
         if not isinstance(item, str) or not item:
-            raise ValueError(f"stop must hold non-empty strings, got {item!r}")
+            raise ValueError(f"{name} must hold non-empty strings, got {item!r}")
     return tuple(items) or None
 
 
-def _normalize_token_ids(ids: object) -> tuple[int, ...]:
+def _normalize_token_ids(ids: object, name: str = "stop_token_ids") -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
     for token_id in ids:
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"stop_token_ids must hold integers >= 0, got {token_id!r}")
+            raise ValueError(f"{name} must hold integers >= 0, got {token_id!r}")
     return tuple(ids)
+
+
+def _normalize_sequences(sequences: object) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(sequences, (list, tuple)):
+        raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {type(sequences).__name__}")
+    out = []
+    for ids in sequences:
+        ids = _normalize_token_ids(ids, "bad_words_token_ids")
+        if not ids:
+            raise ValueError("bad_words_token_ids must hold non-empty token id lists, got []")
+        out.append(ids)
+    return tuple(out)
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {type(bias).__name__}")
+    for token_id, value in bias.items():
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+        _check_number(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return {token_id: float(value) for token_id, value in bias.items()} or None

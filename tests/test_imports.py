@@ -33,7 +33,8 @@ MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcach
             "metrale.text", "metrale.text.tokenizer", "metrale.text.gguf_vocab", "metrale.text.chat_template",
             "metrale.text.detokenizer", "metrale.text.stop", "metrale.text.processor", "metrale.engine",
             "metrale.engine.protocol", "metrale.engine.stream", "metrale.server", "metrale.server.app",
-            "metrale.server.completions"]
+            "metrale.server.completions", "metrale.structured_outputs", "metrale.text.tool_parsers",
+            "metrale.text.tool_calls", "metrale.text.json_scan", "metrale.server.tools", "metrale.server.structured"]
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -130,3 +131,11 @@ def test_unknown_public_name_is_an_attribute_error(name):
 
     with pytest.raises(AttributeError, match="nope"):
         getattr(metrale, name.split(".")[1])
+
+
+def test_the_grammar_engine_is_imported_only_when_a_grammar_is_compiled():
+    code = ("import sys, metrale.engine.runner, metrale.engine.async_engine, metrale.server.app\n"
+            "print(sorted(m for m in sys.modules if m.startswith('llguidance')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]

@@ -33,16 +33,18 @@ from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner, resolve_dtype
 from metrale.engine.stream import OutputChannel, RequestStream
 from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
-                            PromptTooLongError, RequestRejectedError)
+                            PromptTooLongError, RequestRejectedError, StructuredOutputUnavailableError)
 from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import CompletionResult, EngineStats
+from metrale.sampling.guided import GrammarCompiler, require_llguidance
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.proposers import HostProposer
 from metrale.speculative.speculator import Speculator
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
+from metrale.text.tool_parsers import detect_format
 from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -163,6 +165,8 @@ class AsyncEngine:
             await asyncio.to_thread(self._mlx.shutdown)
         if self._tokenize_thread is not None:
             self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        if self._runner is not None:
+            self._runner.close()
         self._state = "stopped"
 
     async def __aenter__(self) -> "AsyncEngine":
@@ -180,7 +184,7 @@ class AsyncEngine:
         is queued then."""
         with self._counting_rejections():
             inputs = self._accepting()
-            params = _checked_params(params)
+            params = self._request_params(inputs, params)
             return self._submit(inputs.prompt_ids(prompt), params, request_id, priority)
 
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -209,12 +213,38 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, functools.partial(fn, *args, **kwargs))
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-             request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Render the model's chat template over messages, then `generate` from it."""
+             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream:
+        """Render the model's chat template over messages (and `tools`, given to the template as Hugging
+        Face's apply_chat_template passes them), then `generate` from it."""
         with self._counting_rejections():
             inputs = self._accepting()
-            params = _checked_params(params)
-            return self._submit(inputs.chat_ids(messages), params, request_id, priority)
+            params = self._request_params(inputs, params)
+            return self._submit(inputs.chat_ids(messages, tools=tools), params, request_id, priority)
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile what `params` needs before `generate`/`chat` (a structured-output grammar), on the
+        grammar thread; raises InvalidStructuredOutputError naming the problem, or
+        StructuredOutputUnavailableError without the `metrale[structured]` extra. Optional: a request
+        submitted unprepared waits for its grammar when first scheduled and fails if it does not compile."""
+        if params.structured_outputs is None:
+            return
+        with self._counting_rejections():
+            self._accepting()
+            compiler = self._grammar_compiler()
+            await compiler.compile(params.structured_outputs)
+
+    def _request_params(self, inputs: InputProcessor, params: SamplingParams | None) -> SamplingParams:
+        params = inputs.params(_checked_params(params))
+        if params.structured_outputs is not None:
+            self._grammar_compiler().submit(params.structured_outputs)  # starts compiling now (cached)
+        return params
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        compiler = self._runner.grammar_compiler if self._runner is not None else None
+        if compiler is None:
+            require_llguidance()
+            raise StructuredOutputUnavailableError("structured outputs need a tokenizer with an eos token")
+        return compiler
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0) -> CompletionResult:
@@ -295,6 +325,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         """Prompt + output tokens a request may hold; 0 until the engine has started."""
         return self._max_model_len
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """How the model writes tool calls (from its chat template), or None; known once started."""
+        return detect_format(self._inputs.chat_template.source) if self._inputs is not None else None
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -138,6 +138,9 @@ class EngineCore:
         if self._speculator is not None:
             self.metrics.record_speculation(**vars(self._speculator.record(output, outcome.sampled_token_ids)))
         self._apply_aborts()  # an abort that arrived during the step wins over its last token
+        for request_id, error in outcome.request_errors.items():  # e.g. its grammar did not compile
+            logger.warning("request %s failed in step %d: %s", request_id, self.num_steps, error)
+            self._finish(request_id, "error", error)
         self._postprocess(output, outcome, num_prompt_tokens)
         self.num_steps += 1
 
@@ -217,19 +220,24 @@ class EngineCore:
                     itls.append(now - times.last_token)
                 times.last_token = now
             try:
-                self._deliver(state, event, outcome.logprobs.get(event.request_id), now)
+                self._deliver(state, event, outcome, now)
             except Exception as error:  # this request's own output processing failed: it alone ends
                 logger.exception("request %s failed while processing its output", event.request_id)
                 self._finish(event.request_id, "error", error)
         self._record_iteration(output, num_prompt_tokens, num_generated, tuple(ttfts), tuple(itls))
 
-    def _deliver(self, state: RequestState, event: RequestEvent, logprob, now: float) -> None:
+    def _deliver(self, state: RequestState, event: RequestEvent, outcome: StepOutcome, now: float) -> None:
         """Detokenize, match stop strings and hand the delta to the request's stream."""
-        delta = state.on_tokens(event.new_token_ids, event.finish_reason,
+        finish_reason = event.finish_reason
+        if finish_reason is None and event.request_id in outcome.stopped_request_ids:  # its grammar is complete
+            self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
+            finish_reason = "stop"
+        logprob = outcome.logprobs.get(event.request_id)
+        delta = state.on_tokens(event.new_token_ids, finish_reason,
                                 hide_last_token=event.stop_token_id is not None,
                                 logprobs=[logprob] if logprob is not None else None)
         self._failpoints.check("deliver", state.request_id)
-        if delta.stop_string_matched and event.finish_reason is None:
+        if delta.stop_string_matched and finish_reason is None:
             self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
         state.channel.put(delta.output)
         if delta.output.finish_reason is not None:
@@ -272,9 +280,9 @@ class EngineCore:
     def _retire(self, state: RequestState, finish_reason: str, now: float) -> None:
         del self.states[state.request_id]
         self._pending_aborts.discard(state.request_id)
+        self._finished_since_step.append(state.request_id)  # the runner drops what it kept for it
         if self._speculator is not None:
             self._speculator.forget(state.request_id)
-            self._finished_since_step.append(state.request_id)
         self.num_finished += 1
         times = state.times
         scheduled = times.first_scheduled

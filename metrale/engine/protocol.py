@@ -25,6 +25,11 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int:
         """Prompt + output tokens a request may hold (0 until the engine has started)."""
 
+    @property
+    def tool_call_format(self) -> str | None:
+        """How the model writes tool calls, from its chat template (a metrale.text.tool_parsers format),
+        or None when the template shows none."""
+
     async def start(self) -> Any:
         """Load the model and start serving."""
 
@@ -45,8 +50,12 @@ class EngineClient(Protocol):
         """Queue a request and return its stream; raises a typed rejection (metrale.errors)."""
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-             request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """`generate` over the model's chat template rendered for `messages`."""
+             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream:
+        """`generate` over the model's chat template rendered for `messages` (and `tools`)."""
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile what `params` needs (a structured-output grammar) off the event loop, before submitting;
+        raises a typed rejection (InvalidStructuredOutputError, StructuredOutputUnavailableError)."""
 
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """What `generate` would submit for `prompt`; a long text is tokenized off the event loop."""

@@ -6,10 +6,13 @@ plain Python goes out (one token id per sampling request):
     SchedulerOutput --AttentionMetadata.build--> token_ids (T,) positions (T,) slot_mapping (T,) ...
         model(token_ids, positions, kv_cache, metadata) -> hidden (T, D)
         logits = model.compute_logits(hidden[sample_index])                     (S', V)
-        mx.eval(logits, pools)           the forward and this step's K/V writes together
+        mx.async_eval(logits, pools)     the forward and this step's K/V writes start together
+        constraints.prepare(rows)        meanwhile on the host: grammar / allowed-token bitmask
         sampler.sample(logits, batch)    -> S' token ids (a second, small evaluation and one .tolist())
+        constraints.accept(...)          grammars take their sampled tokens
 
-It owns the model, the KV pools and the sampler, nothing of the text front-end.
+It owns the model, the KV pools, the sampler and the per-request token constraints (grammar matchers,
+dropped when StepInput.finished_request_ids names their request), nothing of the text front-end.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from metrale.config import EngineConfig
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import TokenLogprob
+from metrale.sampling.constraints import TokenConstraints
+from metrale.sampling.guided import GrammarCompiler
 from metrale.sampling.sampler import Sampler
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.draft_model import DraftModelProposer, DraftRequest
@@ -77,6 +82,10 @@ class StepResult:
 
     sampled_token_ids: dict[str, int | list[int]]
     logprobs: dict[str, TokenLogprob] | None = None
+    # Their constraint is complete (the grammar allows only eos now): they end with "stop" after this token.
+    stopped_request_ids: frozenset[str] = frozenset()
+    # Requests this step could not serve (e.g. their grammar failed to compile): they end with an error.
+    failed_requests: dict[str, BaseException] | None = None
 
 
 def _bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -105,7 +114,8 @@ class ModelRunner:
     """Owns the model, the KV pools and the sampler; executes steps."""
 
     def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends,
-                 failpoints: Failpoints = NO_FAILPOINTS, drafter: DraftModelProposer | None = None) -> None:
+                 failpoints: Failpoints = NO_FAILPOINTS, drafter: DraftModelProposer | None = None,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_name = loaded.path.stem
@@ -116,6 +126,8 @@ class ModelRunner:
         self.sampler = Sampler(self.model_config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, seed=seed)
         self.failpoints = failpoints
         self.drafter = drafter  # the runner-side proposer, when speculation uses a draft model
+        self.grammar_compiler = grammar_compiler  # shared with the engine, which compiles ahead of submit
+        self.constraints = TokenConstraints(self.model_config.vocab_size, grammar_compiler)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig,
@@ -143,7 +155,7 @@ class ModelRunner:
                                        dc.head_dim, draft.dtype)
             drafter = DraftModelProposer(draft.model, draft_cache, backends.attention)
             logger.info("speculating with draft model %s (%d layers)", draft.path.name, dc.num_hidden_layers)
-        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter)
+        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter, grammar_compiler_for(loaded))
 
     @classmethod
     def load(cls, config: EngineConfig) -> "ModelRunner":
@@ -154,6 +166,7 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepResult:
         """One forward over every scheduled token (drafts included); samples where a request reaches
         its end, verifies where it speculates."""
+        self.constraints.forget(step.finished_request_ids)
         scheduled = step.scheduler_output.scheduled
         if self.failpoints:
             self.failpoints.check_any("execute", [s.request_id for s in scheduled])
@@ -180,22 +193,31 @@ class ModelRunner:
             return StepResult({})
         rows = mx.array(sample_rows + verify_rows, dtype=mx.int32)
         logits = self.model.compute_logits(hidden[rows])  # (S' + sum(k + 1), V)
-        mx.eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
+        mx.async_eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
         sampled: dict[str, int | list[int]] = {}
-        logprobs = None
+        logprobs, stopped, errors = None, frozenset(), None
         if sample_rows:
+            masks = self.constraints.prepare(step.sampling_rows)  # host work while the forward runs
             if self.failpoints:
                 for sampling_row in step.sampling_rows:
                     self.failpoints.check("sample", sampling_row.request_id)
-            output = self.sampler.sample(logits[:len(sample_rows)], self.sampler.prepare(step.sampling_rows))
+            batch = self.sampler.prepare(step.sampling_rows, masks.bitmask)
+            output = self.sampler.sample(logits[:len(sample_rows)] if verify_rows else logits, batch)
+            outcome = self.constraints.accept(step.sampling_rows, output.token_ids, masks)
             ids = [r.request_id for r in step.sampling_rows]
             sampled.update(zip(ids, output.token_ids))
             logprobs = {i: lp for i, lp in zip(ids, output.logprobs) if lp is not None} or None
+            stopped, errors = outcome.finished, outcome.errors or None
         if verify_rows:
             speculating = [s for s in scheduled if s.num_draft_tokens]
             runs = accepted_runs(logits[len(sample_rows):], [drafts[s.request_id] for s in speculating])
             sampled.update((s.request_id, run) for s, run in zip(speculating, runs))
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, stopped, errors)
+
+    def close(self) -> None:
+        """Stop the grammar compiler's thread (the engine calls this at shutdown)."""
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
 
     def _drafts(self, step: StepInput) -> dict[str, tuple[int, ...]]:
         """The drafts of every speculating request: given by the scheduler, or proposed here."""
@@ -215,3 +237,14 @@ class ModelRunner:
 
     def _pools(self) -> list[mx.array]:
         return [pool for layer in range(self.kv_cache.num_layers) for pool in self.kv_cache.layer(layer)]
+
+
+def grammar_compiler_for(loaded: LoadedModel) -> GrammarCompiler | None:
+    """The model's grammar compiler (llguidance is imported at its first compile, not here); None for a
+    tokenizer without eos ids, whose grammars could never end."""
+    tokenizer = loaded.tokenizer
+    if not tokenizer.eos_token_ids:
+        logger.warning("the tokenizer has no eos token ids: structured outputs are unavailable")
+        return None
+    return GrammarCompiler(tokenizer.backend.to_str, max(loaded.config.vocab_size, tokenizer.vocab_size),
+                           tokenizer.eos_token_ids)

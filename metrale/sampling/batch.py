@@ -5,6 +5,10 @@ metrale.sampling.sampler); the few small arrays each group needs are made here, 
 from plain Python. Randomness is ONE uniform number per sampled row, drawn here: a seeded row's
 uniform depends only on (seed, output position), so its token never depends on the batch around it;
 unseeded rows draw from the sampler's own generator.
+
+Token restrictions ride along: a bitmask (grammars and allowed_token_ids, filled on the host by
+metrale.sampling.constraints; all-ones rows for the other rows of a step that has any), banned
+(row, token) pairs (min_tokens, bad words) and logit_bias entries; a step without any pays nothing.
 """
 
 from __future__ import annotations
@@ -62,6 +66,15 @@ class Penalties:
 
 
 @dataclass(frozen=True, slots=True)
+class LogitBias:
+    """logit_bias entries of the step: logits[rows[i], token_ids[i]] += values[i]."""
+
+    rows: mx.array  # (N,) int32
+    token_ids: mx.array  # (N,) int32
+    values: mx.array  # (N,) float32
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingBatch:
     """Everything one step's sampling needs, built once per step by `Sampler.prepare`."""
 
@@ -73,6 +86,8 @@ class SamplingBatch:
     inverse_order: mx.array | None  # (S,) int32 position of each row in concat(groups); None: identity
     penalties: Penalties | None
     banned: tuple[mx.array, mx.array] | None  # (B,) rows, (B,) token ids that must not be sampled
+    bitmask: mx.array | None = None  # (S, W) int32, W * 32 >= V: bit t % 32 of word t // 32 allows token t
+    logit_bias: LogitBias | None = None
     logprob_rows: tuple[int, ...] = ()  # rows that want logprobs
     num_logprobs: tuple[int, ...] = ()  # top alternatives per logprob row
 
@@ -80,7 +95,8 @@ class SamplingBatch:
     def is_plain_greedy(self) -> bool:
         """Every row is the argmax of untouched logits: the fast path."""
         return (self.full is None and self.candidates is None and self.penalties is None
-                and self.banned is None and not self.logprob_rows)
+                and self.banned is None and self.bitmask is None and self.logit_bias is None
+                and not self.logprob_rows)
 
 
 class BatchBuilder:
@@ -91,8 +107,9 @@ class BatchBuilder:
         self.eos_token_ids = tuple(eos_token_ids)
         self._rng = random.Random(seed)
 
-    def build(self, rows: Sequence[SamplingRowLike]) -> SamplingBatch:
-        """Per-row Python params -> the step's arrays and host-side row groups."""
+    def build(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
+        """Per-row Python params -> the step's arrays and host-side row groups. `bitmask` (S, W) int32
+        holds each row's allowed tokens (metrale.sampling.constraints fills it)."""
         groups: tuple[list[int], list[int], list[int]] = ([], [], [])
         for index, row in enumerate(rows):
             params = row.params
@@ -111,6 +128,8 @@ class BatchBuilder:
             inverse_order=None if order == sorted(order) else index_array(np.argsort(order)),
             penalties=penalties_of(rows, self.vocab_size),
             banned=self._banned(rows),
+            bitmask=mx.array(bitmask) if bitmask is not None else None,
+            logit_bias=logit_bias_of(rows, self.vocab_size),
             logprob_rows=logprob_rows,
             num_logprobs=tuple(rows[i].params.logprobs or 0 for i in logprob_rows))
 
@@ -144,9 +163,39 @@ class BatchBuilder:
             if len(row.output_token_ids) < params.min_tokens:
                 ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
                 pairs.extend((index, t) for t in ids if 0 <= t < self.vocab_size)
+            if params.bad_words_token_ids:
+                pairs.extend((index, t) for t in bad_word_bans(params.bad_words_token_ids, row.output_token_ids)
+                             if 0 <= t < self.vocab_size)
         if not pairs:
             return None
         return index_array([r for r, _ in pairs]), index_array([t for _, t in pairs])
+
+
+def bad_word_bans(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end the output (vLLM's rule): sampling it
+    would complete the word. A one-token word is always banned."""
+    banned = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or list(output[len(output) - prefix:]) == list(word[:prefix]):
+            banned.append(word[-1])
+    return banned
+
+
+def logit_bias_of(rows: Sequence[SamplingRowLike], vocab_size: int) -> LogitBias | None:
+    """The step's logit_bias entries (ids outside the vocabulary were refused at submit)."""
+    row_ids, token_ids, values = [], [], []
+    for index, row in enumerate(rows):
+        for token_id, value in (row.params.logit_bias or {}).items():
+            if token_id < vocab_size:
+                row_ids.append(index)
+                token_ids.append(token_id)
+                values.append(value)
+    if not row_ids:
+        return None
+    return LogitBias(index_array(row_ids), index_array(token_ids), mx.array(np.asarray(values, dtype=np.float32)))
 
 
 def seeded_bits(seed: int, position: int) -> int:

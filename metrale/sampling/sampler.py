@@ -5,17 +5,18 @@ arrays out), then calls `Sampler.sample(logits, batch)`; both run on the MLX thr
 comes back as Python ints after one evaluation (two in a step with a top_p row whose nucleus may
 reach past its candidates, see below). Rows are split on the host by the work they need:
 
-    logits (S, V) -> penalties and min_tokens bans, on the rows that have them
+    logits (S, V) -> bitmask (grammars, allowed_token_ids), bans (min_tokens, bad words), logit_bias,
+                     penalties: each only in steps that have it
       greedy rows      argmax                                          temperature 0
       full rows        x/T, min_p floor, inverse CDF over all V        no top_k, no top_p
       candidate rows   the K largest x; top_k, min_p, then top_p on    top_k or top_p
                        the renormalized survivors; inverse CDF over K
     tokens (S,) = concat(greedy, full, candidate)[inverse_order]
 
-Order of processing as in vLLM: penalties -> temperature -> min_p and top_k -> top_p -> sample.
-Values tied with the k-th survive top_k. A top_p row without top_k starts from TOP_P_CANDIDATES
-candidates; a row whose nucleus is larger (rare) is re-run with 8x as many, up to the whole vocabulary
-(checking costs one small host sync in steps that have such rows).
+Order of processing as in vLLM: allowed tokens -> bans -> logit_bias -> penalties -> temperature ->
+min_p and top_k -> top_p -> sample. Values tied with the k-th survive top_k. A top_p row without top_k
+starts from TOP_P_CANDIDATES candidates; a row whose nucleus is larger (rare) is re-run with 8x as many,
+up to the whole vocabulary (checking costs one small host sync in steps that have such rows).
 
 Randomness is ONE uniform number per sampled row, drawn on the host: a seeded row's uniform depends
 only on (seed, output position), so its token never depends on the batch around it; unseeded rows
@@ -25,7 +26,7 @@ distribution at that uniform: exact, with no (S, V) noise to generate.
 Penalties: repetition_penalty over prompt + output tokens (HF/vLLM: positive logits divided,
 negative multiplied); presence / frequency over output tokens (OpenAI: minus presence once, minus
 frequency per occurrence). Logprobs are those of the RAW model distribution: log_softmax of the
-logits before penalties, temperature and truncation (vLLM's default, "raw_logprobs").
+logits before masks, bias, penalties, temperature and truncation (vLLM's "raw_logprobs").
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kernels.runtime import mx
 from metrale.outputs import TokenLogprob
@@ -61,9 +64,10 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._builder = BatchBuilder(vocab_size, self.eos_token_ids, seed)
 
-    def prepare(self, rows: Sequence[SamplingRowLike]) -> SamplingBatch:
-        """Per-row Python params -> the step's arrays and host-side row groups (metrale.sampling.batch)."""
-        return self._builder.build(rows)
+    def prepare(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
+        """Per-row Python params -> the step's arrays and host-side row groups (metrale.sampling.batch);
+        `bitmask` (S, W) int32 holds each row's allowed tokens (metrale.sampling.constraints)."""
+        return self._builder.build(rows, bitmask)
 
     def sample(self, logits: mx.array, batch: SamplingBatch) -> SamplerOutput:
         """logits (S, V) float32 -> one token per row (and logprobs where asked), as Python values."""
@@ -72,10 +76,14 @@ class Sampler:
         if batch.is_plain_greedy:
             return SamplerOutput(mx.argmax(logits, axis=-1).tolist(), [None] * batch.num_rows)
         x = logits  # (S, V), never modified in place: raw logprobs read `logits`
-        if batch.penalties is not None:
-            x = ops.apply_penalties(x, batch.penalties)
+        if batch.bitmask is not None:
+            x = ops.apply_bitmask(x, batch.bitmask)
         if batch.banned is not None:
             x = x.at[batch.banned[0], batch.banned[1]].add(-math.inf)
+        if batch.logit_bias is not None:
+            x = ops.apply_logit_bias(x, batch.logit_bias)
+        if batch.penalties is not None:
+            x = ops.apply_penalties(x, batch.penalties)
         parts = []
         if batch.num_greedy:
             parts.append(mx.argmax(ops.select(x, batch.greedy_rows), axis=-1).astype(mx.int32))  # (G,)

@@ -42,6 +42,8 @@ class ServerApp:
     default_max_tokens: max_tokens of a chat request that sets none; None: the rest of the context
         (completions default to 16).
     body_timeout_s: a request body that has not fully arrived after this long gets a 408.
+    tool_call_parser: how the model writes tool calls (a metrale.text.tool_parsers format); by default
+        what the engine reads from the model's chat template.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
     """
@@ -49,6 +51,7 @@ class ServerApp:
     def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
+                 tool_call_parser: str | None = None,
                  on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
@@ -56,6 +59,7 @@ class ServerApp:
         self.body_timeout_s = body_timeout_s
         self.dead_grace_s = dead_grace_s
         self.manage_engine = manage_engine
+        self.tool_call_parser = tool_call_parser
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
@@ -132,7 +136,8 @@ class ServerApp:
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
                                             send, receive, default_max_tokens=self.default_max_tokens,
-                                            request_id=client_request_id(scope))
+                                            request_id=client_request_id(scope),
+                                            tool_call_format=self.tool_call_parser)
         if path == "/v1/models":
             return await self._only(method, "GET", send_json(send, 200, {"object": "list",
                                                                          "data": [self._model_card()]}))

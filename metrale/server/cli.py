@@ -85,6 +85,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--dead-exit-grace", type=float, default=5.0,
                       help="seconds between the engine dying and the process exiting with status 1")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    http.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
+                      help="how the model writes tool calls (default: read from its chat template)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -170,7 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(engine_cfg, registry=registry)
     app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                    body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace)
+                    body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
+                    tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
                             lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,

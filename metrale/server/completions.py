@@ -22,7 +22,7 @@ from typing import Any
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
 from metrale.server import logprobs as lp
-from metrale.server import protocol
+from metrale.server import protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, from_engine_error
 from metrale.engine.protocol import EngineClient
@@ -47,6 +47,7 @@ class _Call:
     model: str
     include_usage: bool
     logprobs: int | None  # None: not requested
+    tools: tools.ToolCallStream | None = None  # chat with tool parsing (metrale.server.tools)
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -55,18 +56,26 @@ class _Call:
 
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
-                 default_max_tokens: int | None, request_id: str | None = None) -> None:
+                 default_max_tokens: int | None, request_id: str | None = None,
+                 tool_call_format: str | None = None) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
-    `request_id` (the client's X-Request-Id) names the engine request; else the response id does."""
+    `request_id` (the client's X-Request-Id) names the engine request; else the response id does.
+    `tool_call_format` overrides the format the engine reads from the model's chat template."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
     model = protocol.model_or_404(request.model, served_model)
     params = protocol.sampling_params(request, default_max_tokens)
+    plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
+    if plan is not None:
+        params = plan.params(params)
+    await _prepare(engine, params, "tools" if plan is not None and plan.choice in ("required", "named")
+                   else structured.source_of(request))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model,
-                 include_usage, params.logprobs)
+                 include_usage, params.logprobs, plan.stream() if plan is not None else None)
     try:
         if chat:  # long prompts are tokenized off the event loop
-            prompt_ids = await engine.chat_token_ids(protocol.chat_messages(request))
+            prompt_ids = await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
+                                                     tools=plan.template_tools if plan is not None else None)
         else:
             prompt_ids = await engine.prompt_token_ids(protocol.completion_prompt(request))
         stream = engine.generate(prompt_ids, params, request_id=request_id or call.id)
@@ -82,6 +91,17 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         await run_until_disconnect(respond(engine, call, stream, send), receive)
     finally:
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+async def _prepare(engine: EngineClient, params: Any, source: str) -> None:
+    """Compile the request's grammar off the event loop; a bad one is a 400 naming its field."""
+    try:
+        await engine.prepare(params)
+    except Exception as error:
+        api_error = structured.prepare_error(error, source)
+        if api_error is None:
+            raise
+        raise api_error from error
 
 
 async def _full_response(engine: EngineClient, call: _Call, stream: RequestStream, send: Send) -> None:
@@ -102,7 +122,10 @@ async def _full_response(engine: EngineClient, call: _Call, stream: RequestStrea
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
     if call.logprobs is not None:
         choice["logprobs"] = lp.render(engine, logprobs, call.chat, call.logprobs)
-    if call.chat:
+    if call.chat and call.tools is not None:
+        choice["message"] = call.tools.message(text)
+        choice["finish_reason"] = call.tools.finish_reason(last.finish_reason)
+    elif call.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -138,6 +161,13 @@ async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, out: 
         logprobs = lp.render(engine, out.logprobs, call.chat, call.logprobs)
     if not call.chat:
         await sse.event(_chunk(call, out.text, out.finish_reason, logprobs))
+        return
+    if call.tools is not None:  # content and tool-call deltas, as the parser makes them certain
+        fields = call.tools.delta(out.text, final=out.finish_reason is not None)
+        if fields or logprobs:
+            await sse.event(_chunk(call, fields, None, logprobs))
+        if out.finish_reason is not None:
+            await sse.event(_chunk(call, {}, call.tools.finish_reason(out.finish_reason)))
         return
     if out.text or logprobs:
         await sse.event(_chunk(call, {"content": out.text}, None, logprobs))

@@ -2,8 +2,10 @@
 
 Unknown fields are ignored, as OpenAI clients send many; fields metrale does not implement are
 refused with a 400 naming them, never silently dropped. Non-OpenAI sampling knobs (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output) are read
-from the top level, where the openai client's `extra_body` puts them.
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, and vLLM's
+allowed_token_ids, bad_words, structured_outputs, guided_*) are read from the top level, where the
+openai client's `extra_body` puts them. Token masks and structured outputs are mapped in
+metrale.server.structured, tools in metrale.server.tools.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Annotated, Any
 import msgspec
 
 from metrale.sampling_params import SamplingParams
+from metrale.server import structured
 from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -21,6 +24,18 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: Any = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -45,6 +60,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
 
@@ -68,10 +91,8 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -83,14 +104,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
-    response_format: ResponseFormat | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                 "include_stop_str_in_output", "skip_special_tokens")
 PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
-                              "prompt", "messages", "n", "model")
+                              "prompt", "messages", "n", "model", *structured.PARAM_NAMES)
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -152,6 +174,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
     logprobs = _logprobs(request)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    kwargs.update(structured.sampling_fields(request))
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
@@ -173,8 +196,6 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
         raise bad_request(f"n must be 1 (parallel sampling is not supported), got {request.n}", "n")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise bad_request("echo is not supported", "echo")
@@ -182,11 +203,6 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
             raise bad_request("suffix is not supported", "suffix")
         if request.best_of not in (None, 1):
             raise bad_request("best_of is not supported", "best_of")
-    else:
-        if request.tools:
-            raise bad_request("tools are not supported", "tools")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
 
 
 def model_or_404(requested: str | None, served: str) -> str:

@@ -1,7 +1,7 @@
 """Who speculates this step, and with how many drafts.
 
 A request speculates when its verification is exact with a plain argmax (greedy, no penalties, no
-logprobs, no min_tokens ban still in force), when fewer than `disable_by_batch_size` requests run
+logprobs, no min_tokens ban still in force, no token masks or structured output), when fewer than `disable_by_batch_size` requests run
 (a full batch already uses the step well; drafts would only add work), and when it has room left
 (k <= max_tokens - output - 1). Its draft count follows its recent acceptance: an exponential
 average of accepted / proposed scales num_speculative_tokens; a request whose drafts keep failing
@@ -23,7 +23,8 @@ GIVE_UP_BELOW = 0.15
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """The target's choice is a plain argmax at every draft position."""
     return (params.is_greedy and not params.has_penalties and params.logprobs is None
-            and num_output_tokens >= params.min_tokens)
+            and num_output_tokens >= params.min_tokens and not params.has_token_masks
+            and params.structured_outputs is None)
 
 
 class SpeculationPolicy:

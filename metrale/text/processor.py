@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from metrale.errors import (EmptyPromptError, InvalidMessagesError, InvalidPromptError, InvalidTokenIdError,
                             PromptTooLongError)
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
@@ -21,7 +23,7 @@ from metrale.text.detokenizer import IncrementalDetokenizer
 from metrale.text.stop import StopStringMatcher
 from metrale.text.tokenizer import Tokenizer
 
-__all__ = ["InputProcessor", "OutputProcessor", "RequestText"]
+__all__ = ["InputProcessor", "OutputProcessor", "RequestText", "bad_words_token_ids"]
 
 
 class InputProcessor:
@@ -64,11 +66,27 @@ class InputProcessor:
             raise EmptyPromptError("prompt is empty")
         return ids
 
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
-        """The model's chat template over `messages` (with the generation prompt), encoded."""
+    def params(self, params: SamplingParams) -> SamplingParams:
+        """The params to run with: token ids checked against the vocabulary (InvalidTokenIdError naming
+        the field), and each bad word's token sequences added to bad_words_token_ids."""
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words_token_ids", [t for seq in params.bad_words_token_ids for t in seq])):
+            bad = sorted({t for t in ids if t >= self.vocab_size})
+            if bad:
+                raise InvalidTokenIdError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if not params.bad_words:
+            return params
+        sequences = bad_words_token_ids(self.tokenizer, params.bad_words)
+        return msgspec.structs.replace(params, bad_words_token_ids=params.bad_words_token_ids + tuple(sequences))
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None,
+                 **template_kwargs: Any) -> list[int]:
+        """The model's chat template over `messages` (with the generation prompt, and `tools` given to the
+        template as Hugging Face passes them), encoded."""
         self._failpoints.check("tokenize")
         try:
-            prompt = self.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
+            prompt = self.chat_template.render(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
         except ValueError as error:  # bad roles or content, or the template's raise_exception
             raise InvalidMessagesError(str(error)) from error
         self.check_length(prompt)
@@ -132,3 +150,17 @@ class RequestText:
         if self._stop_matcher is not None:
             text = self._stop_matcher.feed(text)[0] + self._stop_matcher.flush()
         return text
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
+    """Each bad word's token ids as generated at the start of the text and after a space (vLLM's rule:
+    the spaced form is kept when it is a different sequence of the same length)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if plain:
+            sequences.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences

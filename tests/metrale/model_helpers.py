@@ -150,9 +150,31 @@ def tiny_vocab(size: int) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def write_tiny_gguf(path: str, config_dict: Mapping[str, Any], params: Sequence[tuple[str, mx.array]]) -> None:
+def byte_vocab(size: int) -> tuple[list[str], list[str]]:
+    """(tokens, merges) of a byte-level BPE vocab that can spell any text: 3 control tokens, the 256
+    byte-level characters, a few merges, unreachable fillers up to `size` (>= 259)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for byte in range(256):  # GPT-2's bytes_to_unicode
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    tokens, merges = list(CONTROL_TOKENS) + chars, []
+    for left, right in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a"), ("i", "n"), ('"', ":"), ("Ġ", '"')]:
+        if len(tokens) < size:
+            tokens.append(left + right)
+            merges.append(f"{left} {right}")
+    tokens += [f"x{i}" for i in range(size - len(tokens))]
+    return tokens, merges
+
+
+def write_tiny_gguf(path: str, config_dict: Mapping[str, Any], params: Sequence[tuple[str, mx.array]], *,
+                    vocab: tuple[list[str], list[str]] | None = None, chat_template: str = CHATML_TEMPLATE) -> None:
     """Write HF-named float32 weights as a llama GGUF the way llama.cpp's converter would: GGUF
-    tensor names, Q/K rows permuted for interleaved RoPE, llama.* and tokenizer.* metadata."""
+    tensor names, Q/K rows permuted for interleaved RoPE, llama.* and tokenizer.* metadata.
+    `vocab` (tokens, merges) replaces the default tiny_vocab; `chat_template` the ChatML one."""
     from metrale.loading.gguf import permute_rope_rows
 
     heads = config_dict["num_attention_heads"]
@@ -170,7 +192,7 @@ def write_tiny_gguf(path: str, config_dict: Mapping[str, Any], params: Sequence[
         elif gguf.endswith("attn_k"):
             value = permute_rope_rows(value, kv_heads)
         arrays[f"{gguf}.{part}"] = value
-    tokens, merges = tiny_vocab(config_dict["vocab_size"])
+    tokens, merges = vocab if vocab is not None else tiny_vocab(config_dict["vocab_size"])
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
     metadata = {
         "general.architecture": "llama",
@@ -190,7 +212,7 @@ def write_tiny_gguf(path: str, config_dict: Mapping[str, Any], params: Sequence[
         "tokenizer.ggml.token_type": mx.array([3 if t in CONTROL_TOKENS else 1 for t in tokens], dtype=mx.int32),
         "tokenizer.ggml.bos_token_id": u32(1),
         "tokenizer.ggml.eos_token_id": u32(2),
-        "tokenizer.chat_template": CHATML_TEMPLATE,
+        "tokenizer.chat_template": chat_template,
     }
     mx.save_gguf(path, arrays, metadata)
 

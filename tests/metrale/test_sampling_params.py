@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -9,6 +10,7 @@ import msgspec
 import pytest
 
 from metrale.sampling_params import SamplingParams
+from metrale.structured_outputs import StructuredOutputs
 
 INVALID = [
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "16"),
@@ -29,6 +31,16 @@ INVALID = [
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
     ("include_stop_str_in_output", 0), ("include_stop_str_in_output", None),
     ("skip_special_tokens", "false"),
+    ("logit_bias", {5: 100.5}), ("logit_bias", {5: -101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {5: math.nan}), ("logit_bias", [5]),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-3]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", 3),
+    ("bad_words", [""]), ("bad_words", 3), ("bad_words", ["ok", None]),
+    ("bad_words_token_ids", [[]]), ("bad_words_token_ids", [[-1]]), ("bad_words_token_ids", 5),
+    ("structured_outputs", {}), ("structured_outputs", {"regex": "a", "choice": ["b"]}),
+    ("structured_outputs", {"json": "{not json"}), ("structured_outputs", {"json": [1, 2]}),
+    ("structured_outputs", {"choice": []}), ("structured_outputs", {"choice": ["a", ""]}),
+    ("structured_outputs", {"regex": ""}), ("structured_outputs", {"grammar": "  "}),
+    ("structured_outputs", {"json_object": "yes"}), ("structured_outputs", {"jsn": {}}), ("structured_outputs", 5),
 ]
 
 
@@ -74,6 +86,29 @@ def test_stop_and_stop_token_ids_are_normalized_to_tuples():
     assert SamplingParams(stop=[]).stop is None
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+
+
+def test_token_masks_are_normalized():
+    params = SamplingParams(logit_bias={7: 100, 3: -100.0}, allowed_token_ids=[1, 2], bad_words="darn",
+                            bad_words_token_ids=[[4, 5]])
+    assert params.logit_bias == {7: 100.0, 3: -100.0} and params.allowed_token_ids == (1, 2)
+    assert params.bad_words == ("darn",) and params.bad_words_token_ids == ((4, 5),)
+    assert params.has_token_masks and not SamplingParams().has_token_masks
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams.from_dict(params.to_dict()) == params
+
+
+def test_structured_outputs_from_a_dict_keep_the_schema_order():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    params = SamplingParams(structured_outputs={"json": schema})
+    spec = params.structured_outputs
+    assert isinstance(spec, StructuredOutputs) and spec.kind == "json"
+    assert json.loads(spec.json) == schema and list(json.loads(spec.json)["properties"]) == ["b", "a"]
+    assert spec.key == StructuredOutputs(json=json.dumps(schema)).key  # text or dict: one cache entry
+    assert StructuredOutputs(json_object=True).key == ("json_object", None)
+    assert StructuredOutputs(choice=["x", "y"]).choice == ("x", "y")
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    assert hash(StructuredOutputs(regex="a+")) == hash(StructuredOutputs(regex="a+"))
 
 
 def test_greedy_and_penalty_flags():

@@ -41,6 +41,9 @@ class FakeEngine:
         self.submitted: list[tuple[Any, SamplingParams]] = []
         self.aborted: list[str] = []
         self.live: dict[str, asyncio.Task] = {}
+        self.tool_call_format: str | None = None
+        self.prepared: list[SamplingParams] = []
+        self.chat_tools: list = []
 
     def health(self) -> str:
         return self.state
@@ -75,8 +78,12 @@ class FakeEngine:
         self.live[request_id] = asyncio.get_running_loop().create_task(self._run(channel, max_tokens, n_prompt))
         return RequestStream(channel, self.abort)
 
+    async def prepare(self, params: SamplingParams) -> None:
+        self.prepared.append(params)
+
     def chat(self, messages: list[dict], params: SamplingParams, *, request_id: str | None = None,
-             priority: int = 0) -> RequestStream:
+             priority: int = 0, tools: list | None = None) -> RequestStream:
+        self.chat_tools.append(tools)
         checked = validate_messages(messages)  # the real engine's check
         return self.generate(" ".join(m["content"] for m in checked), params, request_id=request_id)
 

@@ -156,3 +156,22 @@ def test_from_pretrained_folder_and_fallbacks(tmp_path):
     assert _from_folder(bare, "llama").name == "chatml"
     with pytest.raises(ValueError, match="unknown built-in"):
         ChatTemplate.builtin("vicuna")
+
+
+def test_tools_tool_calls_and_tool_results_reach_the_template():
+    from tests.metrale.templates import HERMES_TOOLS_TEMPLATE
+
+    template = ChatTemplate(HERMES_TOOLS_TEMPLATE, eos_token="<|im_end|>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 °C"},
+    ]
+    prompt = template.render(messages, tools=tools)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt  # the tool definitions
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n12 °C\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert "<tools>" not in template.render(messages[:1])  # no tools: no tool prompt

@@ -1,0 +1,101 @@
+"""StructuredOutputs: the constraint a request's output must satisfy (one of five kinds), validated at construction.
+
+    StructuredOutputs(json={"type": "object", "properties": {...}})   a JSON schema (dict, bool or JSON text)
+    StructuredOutputs(json_object=True)                                any JSON object
+    StructuredOutputs(regex=r"[0-9]{3}-[0-9]{4}")                      the whole output matches (\\d, \\w are ASCII)
+    StructuredOutputs(choice=["yes", "no"])                            exactly one of these strings
+    StructuredOutputs(grammar='start: "a"+')                           a Lark or GBNF (llama.cpp) grammar
+
+The names follow vLLM's `StructuredOutputsParams`. Only the shape is checked here (this module never
+imports the grammar engine); compiling the grammar, and with it the 400 for a schema the engine cannot
+use, happens in metrale.sampling.guided, off the event loop. Never imports mlx.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+from typing import Any
+
+import msgspec
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Exactly one of the fields is set.
+
+    json: a JSON schema; a dict, a bool or its JSON text, stored as compact JSON text that keeps the
+        key order (properties are generated in the order they are declared).
+    regex: a regular expression the whole output must match (Rust regex syntax; \\d, \\w and \\s are ASCII).
+    choice: the output is exactly one of these (non-empty) strings.
+    grammar: a Lark grammar (llguidance's dialect) or a GBNF grammar.
+    json_object: any JSON object (OpenAI's response_format {"type": "json_object"}).
+    """
+
+    json: Any = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            msgspec.structs.force_setattr(self, "json", _schema_text(self.json))
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.choice is not None:
+            msgspec.structs.force_setattr(self, "choice", _choices(self.choice))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+        chosen = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; "
+                             f"got {', '.join(chosen) if chosen else 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """"json" | "regex" | "choice" | "grammar" | "json_object"."""
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, Any]:
+        """(kind, spec): hashable, equal for equal constraints (the grammar cache's key)."""
+        kind = self.kind
+        return (kind, None if kind == "json_object" else getattr(self, kind))
+
+    @classmethod
+    def coerce(cls, value: Any) -> "StructuredOutputs":
+        """A StructuredOutputs as given, or built from a dict of its fields (a ValueError naming the field)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(KINDS))
+            if unknown:
+                raise ValueError(f"structured_outputs must set one of {', '.join(KINDS)}; got unknown fields {unknown}")
+            return cls(**value)
+        raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}, "
+                         f"got {type(value).__name__}")
+
+
+def _schema_text(schema: Any) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = jsonlib.loads(schema)
+        except ValueError as error:
+            raise ValueError(f"structured_outputs.json must be a JSON schema; got text that is not JSON "
+                             f"({error})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON schema (an object or a boolean), "
+                         f"got {type(schema).__name__}")
+    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+def _choices(choice: Any) -> tuple[str, ...]:
+    if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice:
+        raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {choice!r}")
+    for item in choice:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {item!r}")
+    return tuple(choice)
