@@ -34,12 +34,17 @@ class StepOutcome:
 
     sampled_token_ids: dict[str, int | list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    failed: dict[str, BaseException] = field(default_factory=dict)  # request id -> its error
+    failed: dict[str, BaseException] = field(default_factory=dict)  # culprits: request id -> its error
+    stopped_request_ids: set[str] = field(default_factory=set)  # their constraint is complete: "stop"
+    request_errors: dict[str, BaseException] = field(default_factory=dict)  # the runner could not serve them
     retried: bool = False  # the first attempt failed and the batch was split
 
-    @property
-    def result(self) -> StepResult:
-        return StepResult(self.sampled_token_ids, self.logprobs or None)
+    def merge(self, result: StepResult) -> None:
+        """Add the results of one (sub-)batch that ran."""
+        self.sampled_token_ids.update(result.sampled_token_ids)
+        self.logprobs.update(result.logprobs or {})
+        self.stopped_request_ids.update(result.stopped_request_ids)
+        self.request_errors.update(result.failed_requests or {})
 
 
 class StepExecutor:
@@ -71,8 +76,7 @@ class StepExecutor:
             result = await self._mlx.run(self._runner.execute, sub)
         except Exception as error:  # contained: the caller splits the batch
             return error
-        outcome.sampled_token_ids.update(result.sampled_token_ids)
-        outcome.logprobs.update(result.logprobs or {})
+        outcome.merge(result)
         return None
 
     async def _bisect(self, group: tuple[ScheduledRequest, ...], step: StepInput, outcome: StepOutcome) -> None:

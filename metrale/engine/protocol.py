@@ -60,8 +60,9 @@ class EngineClient(Protocol):
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """What `generate` would submit for `prompt`; a long text is tokenized off the event loop."""
 
-    async def chat_token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """What `chat` would submit for `messages`; a long conversation is tokenized off the event loop."""
+    async def chat_token_ids(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None) -> list[int]:
+        """What `chat` would submit for `messages` (and `tools`, given to the chat template); a long
+        conversation is tokenized off the event loop."""
 
     async def wait_until_dead(self) -> BaseException | None:
         """Wait for the engine loop to end: the error that killed it, or None when it was shut down."""

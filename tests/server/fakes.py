@@ -102,7 +102,8 @@ class FakeEngine:
     async def prompt_token_ids(self, prompt: Any) -> Any:
         return prompt  # the fake "tokenizes" into the prompt itself: generate takes either
 
-    async def chat_token_ids(self, messages: list[dict]) -> str:
+    async def chat_token_ids(self, messages: list[dict], tools: list | None = None) -> str:
+        self.chat_tools.append(tools)
         checked = validate_messages(messages)  # the real engine's check
         return " ".join(m["content"] for m in checked)
 

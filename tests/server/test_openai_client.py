@@ -26,8 +26,9 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+def client(server):
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120) as client:
+        yield client  # closed with the module: no connection is left for the garbage collector
 
 
 @pytest.fixture(scope="module")

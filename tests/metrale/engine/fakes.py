@@ -63,13 +63,14 @@ class FakeEngine:
 
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 64, max_model_len: int = 256, failpoints: str = "",
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, runner: "FakeRunner | None" = None) -> None:
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=max_model_len, block_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching)
         kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self.failpoints = Failpoints.from_env(failpoints, seed=0)
-        self.runner = FakeRunner(failpoints=self.failpoints)
+        self.runner = runner if runner is not None else FakeRunner()
+        self.runner.failpoints = self.failpoints
         self.metrics = EngineMetrics(CollectorRegistry(), model_name="fake")
         self.metrics.set_max_model_len(max_model_len)
         self.mlx = MLXThread()

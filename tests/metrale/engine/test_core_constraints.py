@@ -36,9 +36,7 @@ class ScriptedRunner(FakeRunner):
 
 @pytest.fixture
 async def engine():
-    fake = FakeEngine()
-    fake.runner = ScriptedRunner()
-    fake.core.runner = fake.runner
+    fake = FakeEngine(runner=ScriptedRunner())
     task = asyncio.create_task(fake.core.run_forever())
     yield fake
     task.cancel()
