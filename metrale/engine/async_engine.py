@@ -33,7 +33,7 @@ from metrale.engine.stream import RequestStream
 from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
                             RequestRejectedError)
 from metrale.loading import LoadedModel, load_model
-from metrale.outputs import CompletionResult, EngineStats, Usage
+from metrale.outputs import CompletionResult, EngineInfo, EngineStats, Usage
 from metrale.sampling_params import SamplingParams
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
@@ -65,6 +65,7 @@ class AsyncEngine:
         self._inputs: InputProcessor | None = None
         self._outputs: OutputProcessor | None = None
         self._max_model_len = 0  # resolved at start
+        self._info: EngineInfo | None = None  # set at start
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,6 +87,8 @@ class AsyncEngine:
             self._state = "stopped"
             raise
         self._init_text(loaded)
+        self._info = EngineInfo(model_path=str(loaded.path), model_type=loaded.config.architecture,
+                                dtype=self._runner.dtype_name, kv_block_size=self.config.block_size)
         self._max_model_len = self.config.max_model_len or min(
             loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.metrics.set_max_model_len(self._max_model_len)
@@ -266,6 +269,11 @@ class AsyncEngine:
         if self._core is not None and self._core.dead is not None:
             return "unhealthy"
         return self._state
+
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineNotRunningError("engine not started")
+        return self._info
 
     def stats(self) -> EngineStats:
         core = self._core

@@ -65,6 +65,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get("METRALE_API_KEY"),
                       help="require this bearer token on /v1/* (default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
+    http.add_argument("--model-alias", action="append", default=None, metavar="NAME",
+                      help="another model id requests may name, answered as the served model (repeatable); "
+                           "behind sglang-router use `--model-alias unknown`, the id it sends for a chat "
+                           "request without \"model\"")
     http.add_argument("--default-max-tokens", type=int, default=512,
                       help="max_tokens of chat requests that set none (completions default to 16)")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
@@ -144,6 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
         collector(registry=registry)
     engine = AsyncEngine(engine_config(args), registry=registry)
     app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+                    model_aliases=tuple(args.model_alias or ()),
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="auto", http="h11", lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,

@@ -55,10 +55,10 @@ class _Call:
 
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
-                 default_max_tokens: int) -> None:
+                 default_max_tokens: int, model_aliases: tuple[str, ...] = ()) -> None:
     """Serve one completion request; raises APIError for anything refused before the response."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
-    model = protocol.model_or_404(request.model, served_model)
+    model = protocol.model_or_404(request.model, served_model, model_aliases)
     params = protocol.sampling_params(request, default_max_tokens)
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model,
