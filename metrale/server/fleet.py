@@ -176,7 +176,8 @@ class Fleet:
                           "replicas healthy"):
             return self.stop(stop_timeout_s, failed=not self.signals)
         self.router.start(self.env)
-        ready = lambda: _healthy_workers(self.router.url) == len(self.replicas)  # noqa: E731
+        api_key = self.env.get("METRALE_API_KEY")
+        ready = lambda: _healthy_workers(self.router.url, api_key) == len(self.replicas)  # noqa: E731
         if not self._wait(ready, 120.0, "router ready"):
             return self.stop(stop_timeout_s, failed=not self.signals)
         self._report()
@@ -278,12 +279,12 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+def _get(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> tuple[int, bytes]:
     """(status, body) of a GET, or (0, b"") when nothing answers."""
     host_port, _, path = url.removeprefix("http://").partition("/")
     conn = http.client.HTTPConnection(host_port, timeout=timeout_s)
     try:
-        conn.request("GET", "/" + path)
+        conn.request("GET", "/" + path, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         response = conn.getresponse()
         return response.status, response.read()
     except OSError:
@@ -292,10 +293,11 @@ def _get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         conn.close()
 
 
-def _healthy_workers(router_url: str) -> int:
+def _healthy_workers(router_url: str, api_key: str | None) -> int:
     """Replicas the router has registered and finds healthy (/workers answers 200 from the start;
-    /readiness would log a 503 as an error until the first one is in)."""
-    status, body = _get(router_url + "/workers")
+    /readiness would log a 503 as an error until the first one is in). With an API key, the router
+    asks for it on /workers too."""
+    status, body = _get(router_url + "/workers", api_key)
     return sum(1 for w in json.loads(body).get("workers", ()) if w.get("is_healthy")) if status == 200 else 0
 
 

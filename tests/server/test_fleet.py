@@ -125,11 +125,11 @@ def cluster(tiny_model):
 class FleetProcess:
     """`metrale fleet` as a subprocess; `lines` are its stdout lines so far."""
 
-    def __init__(self, *argv: str) -> None:
+    def __init__(self, *argv: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "metrale.cli", "fleet", "--port", str(self.port), *argv],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
 
     def wait_ready(self, replicas: int, timeout_s: float = 120.0) -> dict[str, int]:
@@ -167,8 +167,8 @@ def _gone(pid: int, timeout_s: float = 30.0) -> bool:
 def fleet_process():
     started: list[FleetProcess] = []
 
-    def start(*argv: str) -> FleetProcess:
-        started.append(FleetProcess(*argv))
+    def start(*argv: str, env: dict[str, str] | None = None) -> FleetProcess:
+        started.append(FleetProcess(*argv, env=env))
         return started[-1]
 
     yield start
@@ -189,9 +189,13 @@ def test_fleet_command_serves_and_stops_on_sigterm(tiny_model, fleet_process):
     assert all(_gone(pid) for pid in pids.values())
 
 
-def test_fleet_stops_everything_when_a_replica_dies(tiny_model, fleet_process):
-    fleet = fleet_process("--replicas", "1", "--model", tiny_model, *SERVE_ARGS)
+def test_fleet_with_an_api_key_stops_everything_when_a_replica_dies(tiny_model, fleet_process):
+    fleet = fleet_process("--replicas", "1", "--model", tiny_model, *SERVE_ARGS, env={"METRALE_API_KEY": "k3y"})
     pids = fleet.wait_ready(1)
+    url = f"http://127.0.0.1:{fleet.port}/v1/chat/completions"
+    assert httpx.post(url, json=chat(SYSTEM, "hi"), timeout=30).status_code == 401  # refused by the router
+    response = httpx.post(url, json=chat(SYSTEM, "hi"), headers={"Authorization": "Bearer k3y"}, timeout=30)
+    assert response.status_code == 200, response.text
     os.kill(pids["replica-0"], signal.SIGKILL)
     assert fleet.proc.wait(60) == 1
     assert _gone(pids["router"])
