@@ -32,7 +32,7 @@ MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcach
             "metrale.text", "metrale.text.tokenizer", "metrale.text.gguf_vocab", "metrale.text.chat_template",
             "metrale.text.detokenizer", "metrale.text.stop", "metrale.text.processor", "metrale.engine",
             "metrale.engine.protocol", "metrale.engine.stream", "metrale.server", "metrale.server.app",
-            "metrale.server.completions"]
+            "metrale.server.completions", "metrale.server.worker_api", "metrale.server.fleet"]
 
 
 def _modules() -> list[tuple[str, Path]]:
