@@ -209,7 +209,8 @@ class Fleet:
         return next((c for c in self.children if c.proc is not None and c.exit_status is not None), None)
 
     def _report(self) -> None:
-        _say(f"ready: {len(self.replicas)} replicas behind sglang-router")
+        count = len(self.replicas)
+        _say(f"ready: {count} replica{'s' if count != 1 else ''} behind sglang-router")
         _say(f"router {self.router.url} pid {self.router.proc.pid} {self.about_router}".rstrip())
         for replica in self.replicas:
             _say(f"{replica.name} {replica.url} pid {replica.proc.pid}")
