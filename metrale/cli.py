@@ -1,4 +1,4 @@
-"""The `metrale` command: demo, serve, bench."""
+"""The `metrale` command: demo, serve, fleet, bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from metrale.bench.cli import add_bench_parser
 from metrale.server.cli import add_serve_parser
+from metrale.server.fleet import add_fleet_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--model", default=None, help="GGUF file or model folder (default: SmolLM2-135M-Instruct)")
     add_serve_parser(sub)
+    add_fleet_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -93,3 +93,12 @@ class EngineStats(msgspec.Struct, frozen=True):
 
     def __getitem__(self, key: str):
         return getattr(self, key)
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What a started engine loaded and how it holds it; fixed for the engine's life."""
+
+    model_path: str  # the GGUF file or model folder that was loaded
+    model_type: str  # the architecture family: "llama", "qwen3", "gemma3", ...
+    dtype: str  # activations and float weights: "float32", "float16", "bfloat16"
+    kv_block_size: int  # tokens per KV cache block

@@ -34,7 +34,8 @@ MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcach
             "metrale.text.detokenizer", "metrale.text.stop", "metrale.text.processor", "metrale.engine",
             "metrale.engine.protocol", "metrale.engine.stream", "metrale.server", "metrale.server.app",
             "metrale.server.completions", "metrale.structured_outputs", "metrale.text.tool_parsers",
-            "metrale.text.tool_calls", "metrale.text.json_scan", "metrale.server.tools", "metrale.server.structured"]
+            "metrale.text.tool_calls", "metrale.text.json_scan", "metrale.server.tools", "metrale.server.structured",
+            "metrale.server.worker_api", "metrale.server.fleet"]
 
 
 def _modules() -> list[tuple[str, Path]]:

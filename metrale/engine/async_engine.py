@@ -36,7 +36,7 @@ from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunni
                             PromptTooLongError, RequestRejectedError, StructuredOutputUnavailableError)
 from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
-from metrale.outputs import CompletionResult, EngineStats
+from metrale.outputs import CompletionResult, EngineInfo, EngineStats
 from metrale.sampling.guided import GrammarCompiler, require_llguidance
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.proposers import HostProposer
@@ -78,6 +78,7 @@ class AsyncEngine:
         self._inputs: InputProcessor | None = None
         self._outputs: OutputProcessor | None = None
         self._max_model_len = 0  # resolved at start
+        self._info: EngineInfo | None = None  # set at start
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -106,6 +107,9 @@ class AsyncEngine:
             self._mlx.shutdown()
             self._state = "stopped"
             raise
+        self._init_text(loaded)
+        self._info = EngineInfo(model_path=str(loaded.path), model_type=loaded.config.architecture,
+                                dtype=self._runner.dtype_name, kv_block_size=self.config.block_size)
         self._max_model_len = self.config.max_model_len or min(
             loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self._init_text(loaded)
@@ -379,6 +383,11 @@ class AsyncEngine:
             await asyncio.sleep(0.1)
         await asyncio.gather(self._loop_task, return_exceptions=True)
         return self._core.dead if self._core is not None else None
+
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineNotRunningError("engine not started")
+        return self._info
 
     def stats(self) -> EngineStats:
         core = self._core

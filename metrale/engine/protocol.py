@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from metrale.engine.stream import RequestStream
-from metrale.outputs import EngineStats
+from metrale.outputs import EngineInfo, EngineStats
 from metrale.sampling_params import SamplingParams
 
 
@@ -44,6 +44,10 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """A cheap snapshot of the engine's state."""
+
+    def info(self) -> EngineInfo:
+        """What the started engine loaded (model path, architecture, dtype, KV block size); raises
+        EngineNotRunningError before start."""
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  request_id: str | None = None, priority: int = 0) -> RequestStream:

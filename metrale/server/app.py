@@ -1,12 +1,14 @@
 """The OpenAI-compatible ASGI application: a small router over one AsyncEngine.
 
     GET  /health                 200 {"status": "serving"}; 503 while loading, draining or unhealthy
-    GET  /metrics                Prometheus text from the engine's registry
+    GET  /metrics                Prometheus text from the engine's registry (+ vLLM-named gauge aliases)
+    GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
+                                 what routers read from a replica: see worker_api.py
     GET  /v1/models[/{id}]       the one served model
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
 
-Hand-written rather than a framework: five routes, msgspec bodies, and direct control of the
+Hand-written rather than a framework: a dozen routes, msgspec bodies, and direct control of the
 ASGI `receive` channel, which the disconnect watcher needs. With `manage_engine` the app starts the
 engine in the background at lifespan startup (so /health answers 503 "loading" meanwhile) and
 shuts it down at lifespan shutdown.
@@ -23,7 +25,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import completions
+from metrale.server import completions, worker_api
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
                                  send_error, send_json)
 from metrale.server.errors import APIError
@@ -39,6 +41,8 @@ class ServerApp:
 
     api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (/health, /metrics stay open).
     served_model_name: the model id clients use; the engine's model name by default.
+    model_aliases: other model ids requests may name (answered as the served model), e.g. "unknown",
+        which sglang-router sends for a chat request without "model".
     default_max_tokens: max_tokens of a chat request that sets none; None: the rest of the context
         (completions default to 16).
     body_timeout_s: a request body that has not fully arrived after this long gets a 408.
@@ -49,7 +53,8 @@ class ServerApp:
     """
 
     def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int | None = None,
+                 model_aliases: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None,
                  on_fatal: Callable[[], None] | None = None) -> None:
@@ -64,6 +69,7 @@ class ServerApp:
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
         self._served_model_name = served_model_name
+        self.model_aliases = tuple(model_aliases)
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
@@ -127,6 +133,8 @@ class ServerApp:
             return await self._only(method, "GET", self._health(send))
         if path == "/metrics":
             return await self._only(method, "GET", self._metrics(send))
+        if path in worker_api.INFO_PATHS:
+            return await self._only(method, "GET", self._worker_info(path, send))
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         self._authenticate(scope)
@@ -137,13 +145,14 @@ class ServerApp:
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
                                             send, receive, default_max_tokens=self.default_max_tokens,
                                             request_id=client_request_id(scope),
-                                            tool_call_format=self.tool_call_parser)
+                                            tool_call_format=self.tool_call_parser,
+                                            model_aliases=self.model_aliases)
         if path == "/v1/models":
             return await self._only(method, "GET", send_json(send, 200, {"object": "list",
                                                                          "data": [self._model_card()]}))
         if path.startswith("/v1/models/"):
             model = path.removeprefix("/v1/models/")
-            if model != self.model_name:
+            if model != self.model_name and model not in self.model_aliases:
                 raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
             return await self._only(method, "GET", send_json(send, 200, self._model_card()))
         raise APIError(404, f"no route for {path}", code="not_found")
@@ -169,9 +178,28 @@ class ServerApp:
         state = self.health()
         await send_json(send, 200 if state == "serving" else 503, {"status": state})
 
+    @property
+    def _started(self) -> bool:
+        """The engine has loaded its model (max_model_len is 0 until then)."""
+        return self.startup_error is None and self.engine.max_model_len > 0
+
     async def _metrics(self, send: Send) -> None:
         body = self.engine.metrics_exposition()
+        if self._started:
+            body += worker_api.vllm_gauges(self.engine.stats(), self.model_name)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    async def _worker_info(self, path: str, send: Send) -> None:
+        if not self._started:
+            raise APIError(503, f"{path} is known once the model has loaded", code=self.health())
+        info = self.engine.info()
+        if path.endswith("server_info"):
+            body: Any = worker_api.server_info(self.model_name, info, self.engine.max_model_len)
+        elif path.endswith("model_info"):
+            body = worker_api.model_info(self.model_name, info)
+        else:
+            body = worker_api.load(self.engine.stats(), info)
+        await send_json(send, 200, body)
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",

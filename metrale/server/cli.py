@@ -72,6 +72,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get("METRALE_API_KEY"),
                       help="require this bearer token on /v1/* (default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
+    http.add_argument("--model-alias", action="append", default=None, metavar="NAME",
+                      help="another model id requests may name, answered as the served model (repeatable); "
+                           "behind sglang-router use `--model-alias unknown`, the id it sends for a chat "
+                           "request without \"model\"")
     http.add_argument("--default-max-tokens", type=int, default=None,
                       help="max_tokens of chat requests that set none (default: the rest of the context; "
                            "completions default to 16)")
@@ -171,6 +175,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     engine = AsyncEngine(engine_cfg, registry=registry)
     app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+                    model_aliases=tuple(args.model_alias or ()),
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
                     tool_call_parser=args.tool_call_parser)

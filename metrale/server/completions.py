@@ -57,12 +57,13 @@ class _Call:
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
-                 tool_call_format: str | None = None) -> None:
+                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
     `request_id` (the client's X-Request-Id) names the engine request; else the response id does.
-    `tool_call_format` overrides the format the engine reads from the model's chat template."""
+    `tool_call_format` overrides the format the engine reads from the model's chat template;
+    `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
-    model = protocol.model_or_404(request.model, served_model)
+    model = protocol.model_or_404(request.model, served_model, model_aliases)
     params = protocol.sampling_params(request, default_max_tokens)
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
     if plan is not None:

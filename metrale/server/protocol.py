@@ -205,9 +205,10 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
             raise bad_request("best_of is not supported", "best_of")
 
 
-def model_or_404(requested: str | None, served: str) -> str:
-    """The model name to report; a 404 when the request names a model this server does not serve."""
-    if requested is None or requested == served:
+def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:
+    """The model name to report (`served`, also for an alias); a 404 when the request names a model
+    this server does not serve."""
+    if requested is None or requested == served or requested in aliases:
         return served
     raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
                    param="model", code="model_not_found", reject_reason="invalid_request")

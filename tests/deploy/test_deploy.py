@@ -48,9 +48,28 @@ def _yaml_docs(name: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all((DEPLOY / name).read_text()) if doc]
 
 
+def _router_args(argv: list[str]) -> dict:
+    """sglang-router's flags as {flag: [values]} (the last occurrence wins), checked by the installed
+    router's own parser when it is there."""
+    try:
+        from sglang_router.launch_router import parse_router_args
+    except ImportError:
+        pass  # metrale[router] not installed: the structural checks below still run
+    else:
+        parse_router_args(argv)
+    flags: dict[str, list[str]] = {}
+    for token in argv:
+        if token.startswith("--"):
+            current = flags[token] = []
+        else:
+            current.append(token)
+    return flags
+
+
 @needs_promtool
 @pytest.mark.parametrize("args", [
     ["check", "config", "prometheus/prometheus.yml"],
+    ["check", "config", "prometheus/prometheus-fleet.yml"],
     ["check", "rules", "prometheus/alerts.yml"],
     ["test", "rules", "prometheus/alerts_test.yml"],
 ])
@@ -90,7 +109,7 @@ def test_every_metric_used_by_dashboard_alerts_and_hpa_exists():
 
 def test_kubernetes_manifests():
     docs = {(d["kind"], d["metadata"]["name"]): d for f in ("deployment.yaml", "service.yaml",
-            "servicemonitor.yaml", "hpa.yaml") for d in _yaml_docs(f"k8s/{f}")}
+            "servicemonitor.yaml", "hpa.yaml", "router.yaml") for d in _yaml_docs(f"k8s/{f}")}
     pod = docs[("Deployment", "metrale")]["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -109,6 +128,39 @@ def test_kubernetes_manifests():
     assert "metrale_requests_waiting" in {r["name"]["as"] for r in adapter["rules"]["custom"]}
     kustomization = _yaml_docs("k8s/kustomization.yaml")[0]
     assert all((DEPLOY / "k8s" / r).is_file() for r in kustomization["resources"])
+    assert "router.yaml" in kustomization["resources"]
+
+
+def test_kubernetes_router_discovers_the_metrale_pods():
+    docs = {(d["kind"], d["metadata"]["name"]): d for f in ("deployment.yaml", "hpa.yaml", "router.yaml")
+            for d in _yaml_docs(f"k8s/{f}")}
+    metrale = docs[("Deployment", "metrale")]["spec"]["template"]
+    (replica,) = metrale["spec"]["containers"]
+    assert "unknown" in _serve_args(replica["args"]).model_alias  # the router's id for a chat without model
+    router = docs[("Deployment", "metrale-router")]["spec"]["template"]
+    (container,) = router["spec"]["containers"]
+    argv = [a.replace("$(POD_NAMESPACE)", "default") for a in container["args"]]
+    flags = _router_args(argv)
+    assert "--service-discovery" in flags and flags["--policy"] == ["cache_aware"]
+    selector = dict(item.split("=", 1) for item in flags["--selector"])
+    assert selector.items() <= metrale["metadata"]["labels"].items()  # finds the metrale pods...
+    assert not selector.items() <= router["metadata"]["labels"].items()  # ...and not itself
+    assert flags["--service-discovery-port"] == [str(replica["ports"][0]["containerPort"])]
+    assert flags["--service-discovery-namespace"] == ["default"]
+    assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} \
+        in container["env"]
+    assert int(flags["--cb-failure-threshold"][0]) < 5  # opens before a request's 5 attempts are spent
+    assert int(flags["--shutdown-grace-period-secs"][0]) > _serve_args(replica["args"]).shutdown_timeout
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"  # /health is 200 with no workers
+    (rule,) = docs[("Role", "metrale-router")]["rules"]
+    assert rule["resources"] == ["pods"] and sorted(rule["verbs"]) == ["get", "list", "watch"]
+    binding = docs[("RoleBinding", "metrale-router")]
+    assert binding["roleRef"]["name"] == "metrale-router"
+    assert binding["subjects"][0]["name"] == router["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", router["spec"]["serviceAccountName"]) in docs
+    service = docs[("Service", "metrale-router")]["spec"]
+    assert service["selector"].items() <= router["metadata"]["labels"].items()
+    assert docs[("HorizontalPodAutoscaler", "metrale")]["spec"]["scaleTargetRef"]["name"] == "metrale"
 
 
 def test_docker_compose():
@@ -126,6 +178,33 @@ def test_docker_compose():
     dockerfile = (DEPLOY / "docker/Dockerfile").read_text()
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1))
     _serve_args(cmd)
+
+
+def test_docker_compose_fleet():
+    compose = _yaml_docs("docker-compose.fleet.yml")[0]
+    services = compose["services"]
+    assert set(services) == {"metrale-0", "metrale-1", "router", "prometheus", "grafana"}
+    replicas = {name: _serve_args(services[name]["command"]) for name in ("metrale-0", "metrale-1")}
+    for name, args in replicas.items():
+        assert "unknown" in args.model_alias
+        assert int(services[name]["stop_grace_period"].rstrip("s")) > args.shutdown_timeout
+        assert f"127.0.0.1:{args.port}/health" in " ".join(services[name]["healthcheck"]["test"])
+    router = services["router"]
+    assert router["entrypoint"] == ["python", "-m", "sglang_router.launch_router"]
+    flags = _router_args(router["command"])
+    assert flags["--worker-urls"] == [f"http://{a.host}:{a.port}" for a in replicas.values()]
+    assert flags["--policy"] == ["cache_aware"] and flags["--prometheus-host"] == ["127.0.0.1"]
+    assert int(flags["--shutdown-grace-period-secs"][0]) > max(a.shutdown_timeout for a in replicas.values())
+    assert set(router["depends_on"]) == set(replicas)
+    scrape = _yaml_docs("prometheus/prometheus-fleet.yml")[0]["scrape_configs"]
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in scrape}
+    assert targets == {"metrale": [f"{a.host}:{a.port}" for a in replicas.values()],
+                       "sglang-router": [f"127.0.0.1:{flags['--prometheus-port'][0]}"]}
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (DEPLOY / source).exists(), source
 
 
 def test_systemd_unit():
@@ -152,5 +231,5 @@ def test_launchd_plist():
 
 def test_readme_has_a_section_per_target():
     headings = [line.lower() for line in (DEPLOY / "README.md").read_text().splitlines() if line.startswith("## ")]
-    for target in ("prometheus", "grafana", "docker", "systemd", "launchd", "kubernetes"):
+    for target in ("prometheus", "grafana", "docker", "systemd", "launchd", "kubernetes", "router"):
         assert any(target in h for h in headings), target

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from metrale.text.chat_template import validate_messages
 from metrale.errors import EngineDrainingError, PromptTooLongError
 from metrale.engine.metrics import EngineMetrics
-from metrale.outputs import EngineStats, RequestOutput
+from metrale.outputs import EngineInfo, EngineStats, RequestOutput
 from metrale.sampling_params import SamplingParams
 from metrale.engine.stream import OutputChannel, RequestStream
 
@@ -52,6 +52,9 @@ class FakeEngine:
         return EngineStats(health=self.state, running=len(self.live), waiting=0, kv_blocks_total=0, kv_blocks_free=0,
                            kv_usage=0.0, peak_kv_usage=0.0, num_preemptions=0, num_steps=0, prefix_cache_queries=0,
                            prefix_cache_hits=0, requests_finished=0)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(model_path="/models/fake-model.gguf", model_type="llama", dtype="float32", kv_block_size=16)
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         return [f"<{i}>" for i in token_ids]
