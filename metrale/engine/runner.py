@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+from kernels.backend import select_backends
 from kernels.runtime import mx
 
 from kvcache.attention import AttentionMetadata
@@ -90,7 +91,9 @@ class ModelRunner:
     @classmethod
     def load(cls, config: EngineConfig) -> "ModelRunner":
         """Load weights, tokenizer and chat template; allocate the KV pools from the budget."""
-        loaded = load_model(config.model, dtype=resolve_dtype(config.dtype))
+        auto_cpu = config.dtype == "auto" and mx.default_device() == mx.cpu  # keeps the checkpoint's quantization
+        loaded = load_model(config.model, dtype=None if auto_cpu else resolve_dtype(config.dtype))
+        logger.info("%s, %s; %s", loaded.path.name, loaded.describe_quantization(), select_backends().describe())
         mc = loaded.config
         kv_cache = PagedKVCache.from_budget(config.kv_cache_bytes, mc.num_hidden_layers, config.block_size,
                                             mc.num_key_value_heads, mc.head_dim, loaded.dtype)
