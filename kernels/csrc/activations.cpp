@@ -1,4 +1,4 @@
-// The GatedActivation primitive: elementwise over the flat (contiguous) inputs, in chunks spread
+// The GatedActivation primitive: elementwise over the flat (row-major) inputs, in chunks spread
 // over the kernel thread pool once the array is large enough for threads to pay.
 #include "activations.h"
 
@@ -13,6 +13,7 @@
 #include "mlx/ops.h"
 #include "isa.h"
 #include "parallel.h"
+#include "row_major.h"
 
 namespace metrale {
 
@@ -50,7 +51,7 @@ mx::array gated(const char* fn, GatedKind kind, const mx::array& gate, const mx:
                                 describe(gate));
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(gate.shape(), dtype, std::make_shared<GatedActivation>(s, kind),
-                   {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
+                   {gate, up});
 }
 
 bool donatable(const mx::array& in, const mx::array& out) {
@@ -84,8 +85,10 @@ void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   encoder.set_output_array(out);
   const auto dtype = out.dtype() == mx::float32 ? Dtype::float32
                      : out.dtype() == mx::float16 ? Dtype::float16 : Dtype::bfloat16;
-  encoder.dispatch([g = gate.data<void>(), u = up.data<void>(), o = out.data<void>(), dtype,
-                    size = static_cast<int64_t>(out.size()), kind = kind_] { run(kind, dtype, g, u, o, size); });
+  const RowMajor gin(gate, encoder), uin(up, encoder);
+  encoder.dispatch([gin, uin, o = out.data<void>(), dtype, size = static_cast<int64_t>(out.size()), kind = kind_] {
+    run(kind, dtype, gin.data<void>(), uin.data<void>(), o, size);
+  });
 }
 
 void GatedActivation::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -8,6 +8,7 @@
 #include "causal_softmax.h"
 #include "isa.h"
 #include "mlx/version.h"
+#include "norm_rope.h"
 #include "paged_decode.h"
 #include "qmm.h"
 
@@ -55,4 +56,10 @@ NB_MODULE(_kernels, m) {
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");
+  m.def("rms_norm", &metrale::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "weight_offset"_a = 0.0f,
+        "RMSNorm of x (..., D) float32 with weight (D,) float32 (+ weight_offset: 1 for gemma's 1 + w),\n"
+        "one node on the CPU stream: (x / sqrt(mean(x^2) + eps)) * (weight + weight_offset).");
+  m.def("rope_qk", &metrale::rope_qk, "q"_a, "k"_a, "cos"_a, "sin"_a, nb::kw_only(), "traditional"_a = false,
+        "RoPE of q (T, Hq, D) and k (T, Hk, D) float32 by per-token cos / sin (T, D / 2), one node on the\n"
+        "CPU stream: [q, k] rotated (half-split pairs, or interleaved ones when traditional).");
 }

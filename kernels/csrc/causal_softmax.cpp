@@ -11,6 +11,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "parallel.h"
+#include "row_major.h"
 
 namespace metrale {
 
@@ -25,7 +26,7 @@ mx::array causal_softmax(const mx::array& scores, int offset, int window) {
   if (window < 0) throw std::invalid_argument("causal_softmax: window must be >= 0 (0: none), got " + std::to_string(window));
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(scores.shape(), mx::float32, std::make_shared<CausalSoftmax>(s, offset, window),
-                   {mx::contiguous(scores, false, s)});
+                   {scores});
 }
 
 void CausalSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -42,7 +43,9 @@ void CausalSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   const int length = in.shape(-1), q_len = in.shape(-2);
   const int64_t rows = in.size() / length;
   const int offset = offset_, window = window_;
-  encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), length, q_len, rows, offset, window] {
+  const RowMajor scores(in, encoder);
+  encoder.dispatch([scores, dst = out.data<float>(), length, q_len, rows, offset, window] {
+    const float* src = scores.data<float>();
     const int n_tasks = static_cast<int>((rows + kRowsPerTask - 1) / kRowsPerTask);
     const int width = rows * length < kMinParallelElements ? 1 : std::min(num_threads(), n_tasks);
     const auto& kernels = cpu_kernels();

@@ -7,6 +7,7 @@
 
 #include "activation_kernel.h"
 #include "attention_kernel.h"
+#include "norm_rope_kernel.h"
 #include "qmm_kernel.h"
 #include "vecmath.h"
 
@@ -78,7 +79,7 @@ const KernelTable* METRALE_CAT(kernel_table_, METRALE_ISA_NS)() {
   namespace isa = metrale::METRALE_ISA_NS;
   static const KernelTable table{
       METRALE_STR(METRALE_ISA_NS), isa::decode_task, isa::causal_softmax_rows, isa::kernel::gated,
-      isa::qmm::quantize, isa::qmm::panels,
+      isa::kernel::rms_norm_rows, isa::kernel::rope_rows, isa::qmm::quantize, isa::qmm::panels,
   };
   return &table;
 }

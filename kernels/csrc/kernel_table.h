@@ -77,6 +77,12 @@ struct KernelTable {
   // out[i] = act(gate[i]) * up[i] for i in [begin, end)
   void (*gated)(GatedKind kind, Dtype dtype, const void* gate, const void* up, void* out, int64_t begin,
                 int64_t end);
+  // rows [r0, r1) of x (rows, D) float32: RMSNorm with weight w + w_offset (norm_rope_kernel.h)
+  void (*rms_norm_rows)(const float* x, const float* w, float* out, int64_t r0, int64_t r1, int D, float eps,
+                        float w_offset);
+  // tokens [t0, t1) of x (T, H, D) float32 rotated by cos / sin (T, D / 2)
+  void (*rope_rows)(const float* x, const float* cos, const float* sin, float* out, int64_t t0, int64_t t1, int H,
+                    int D, bool traditional);
   // quantized matmul: quantize rows [t_begin, t_end) of x (T, K) into acts
   void (*qmm_quantize)(const float* x, const QmmActs& acts, int64_t t_begin, int64_t t_end);
   // quantized matmul: panels [p_begin, p_end) (pairs with glu) for every token of acts

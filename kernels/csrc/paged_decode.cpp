@@ -7,6 +7,7 @@
 
 #include "isa.h"
 #include "parallel.h"
+#include "row_major.h"
 
 #include <algorithm>
 #include <cmath>
@@ -87,11 +88,11 @@ mx::array paged_decode(const mx::array& queries, const mx::array& k_pool, const 
 
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::astype(queries, mx::float32, s), false, s),
-      mx::contiguous(k_pool, false, s),
-      mx::contiguous(v_pool, false, s),
-      mx::contiguous(mx::astype(block_tables, mx::int32, s), false, s),
-      mx::contiguous(mx::astype(context_lens, mx::int32, s), false, s),
+      mx::astype(queries, mx::float32, s),
+      k_pool,
+      v_pool,
+      mx::astype(block_tables, mx::int32, s),
+      mx::astype(context_lens, mx::int32, s),
   };
   return mx::array(queries.shape(), mx::float32, std::make_shared<PagedDecode>(s, scale, block_size, window),
                    std::move(inputs));
@@ -112,9 +113,10 @@ void PagedDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     throw std::invalid_argument("paged_decode: unsupported pool dtype");
   const DecodeDims dm{q.shape(0), q.shape(1), kp.shape(1), q.shape(2), tables.shape(1), block_size_, window_,
                       kp.shape(0) / block_size_, scale_};
-  encoder.dispatch([=, qp = q.data<float>(), k = kp.data<void>(), v = vp.data<void>(), tp = tables.data<int32_t>(),
-                    cp = ctx.data<int32_t>(), op = out.data<float>(), dtype = kernel_dtype(kp.dtype())] {
-    run_decode(dm, dtype, qp, k, v, tp, cp, op);
+  const RowMajor qin(q, encoder), kin(kp, encoder), vin(vp, encoder), tin(tables, encoder), cin(ctx, encoder);
+  encoder.dispatch([=, op = out.data<float>(), dtype = kernel_dtype(kp.dtype())] {
+    run_decode(dm, dtype, qin.data<float>(), kin.data<void>(), vin.data<void>(), tin.data<int32_t>(),
+               cin.data<int32_t>(), op);
   });
 }
 

@@ -16,6 +16,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "parallel.h"
+#include "row_major.h"
 
 namespace metrale {
 
@@ -91,7 +92,7 @@ std::vector<mx::array> quantized_matmul(const mx::array& x, const mx::array& q, 
   }
   auto primitive = std::make_shared<QuantizedMatmul>(s, bits, group_size, columns, glu, activation_bits);
   return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(columns.size(), mx::float32), primitive,
-                                {mx::contiguous(x, false, s), q, scales, biases});
+                                {x, q, scales, biases});
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -121,6 +122,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   const auto& bi = inputs[3];
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
+  const RowMajor xin(x, encoder);
   std::vector<QmmOut> outs;
   int64_t first_panel = 0;
   for (auto& out : outputs) {
@@ -134,8 +136,9 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   const QmmWeights w{q.data<uint8_t>(), sc.data<void>(), bi.data<void>(), q.shape(0), K, bits_, group_size_,
                      sc.dtype() == mx::float16};
   const int64_t tokens = static_cast<int64_t>(x.size()) / K;
-  encoder.dispatch([w, outs, tokens, wide = activation_bits_ == 16, xp = x.data<float>()] {
+  encoder.dispatch([w, outs, tokens, wide = activation_bits_ == 16, xin] {
     if (tokens == 0) return;
+    const float* xp = xin.data<float>();
     const auto& kernels = cpu_kernels();
     // scratch: xq (T, K) int8 | [xlo (T, K) int8] | xd (T, K / 32) | xisum (T, K / 32) | xsum (T, K / group)
     thread_local std::vector<int64_t> scratch;  // per calling thread (the CPU stream's)
@@ -188,7 +191,7 @@ mx::array quantized_rows(const mx::array& q, const mx::array& scales, const mx::
   mx::Shape shape = ids.shape();
   shape.push_back(K);
   return mx::array(std::move(shape), mx::float32, std::make_shared<QuantizedRows>(s, bits, group_size, rows),
-                   {q, scales, biases, mx::contiguous(mx::astype(ids, mx::int32, s), false, s)});
+                   {q, scales, biases, mx::astype(ids, mx::int32, s)});
 }
 
 void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -203,8 +206,10 @@ void QuantizedRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   const int K = static_cast<int>(out.shape(-1)), groups = sc.shape(1), bits = bits_, gs = group_size_, rows = rows_;
   const int64_t panel_bytes = q.shape(1);
   const bool f16 = sc.dtype() == mx::float16;
-  encoder.dispatch([=, qp = q.data<uint8_t>(), sp = sc.data<void>(), bp = bi.data<void>(), ip = ids.data<int32_t>(),
-                    op = out.data<float>(), n = static_cast<int64_t>(ids.size())] {
+  const RowMajor idin(ids, encoder);
+  encoder.dispatch([=, qp = q.data<uint8_t>(), sp = sc.data<void>(), bp = bi.data<void>(), op = out.data<float>(),
+                    n = static_cast<int64_t>(ids.size())] {
+    const int32_t* ip = idin.data<int32_t>();
     auto scale_at = [&](const void* base, int64_t i) {
       return f16 ? static_cast<float>(static_cast<const mx::float16_t*>(base)[i]) : static_cast<const float*>(base)[i];
     };

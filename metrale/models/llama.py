@@ -15,6 +15,7 @@ Hugging Face / mlx-lm (`model.layers.0.self_attn.q_proj.weight`), so their weigh
 from __future__ import annotations
 
 from kernels.activations import gated_activation_fn
+from kernels.norm_rope import RMSNorm
 from kernels.runtime import mx, nn
 from kvcache.attention import AttentionMetadata, paged_attention
 from kvcache.storage import PagedKVCache
@@ -73,8 +74,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # each head normalized over head_dim
-        q = self._rope(q, positions)  # (T, n_heads, head_dim)
-        k = self._rope(k, positions)  # (T, n_kv_heads, head_dim)
+        q, k = self._rope.rotate_qk(q, k, positions, metadata)  # (T, n_heads | n_kv_heads, head_dim) each
         # each pool (num_slots, n_kv_heads, head_dim), already holding this step's K/V
         k_pool, v_pool = kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
         out = paged_attention(q, k_pool, v_pool, metadata, self.scale, sliding_window=self.sliding_window)
@@ -108,7 +108,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP. Subclasses may swap `norm_class`."""
 
-    norm_class: type[nn.Module] = nn.RMSNorm
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, config: ModelConfig, layer_index: int, attention_class: type[LlamaAttention]) -> None:
         super().__init__()
@@ -130,7 +130,7 @@ class LlamaModel(nn.Module):
     `norm_class` and `embed`."""
 
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    norm_class: type[nn.Module] = nn.RMSNorm
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, config: ModelConfig, attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()

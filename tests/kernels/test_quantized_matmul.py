@@ -179,6 +179,21 @@ def test_leading_dims_zeros_and_no_tokens(isa):
 
 
 @needs_kernel
+def test_strided_inputs_are_copied_in_the_task(isa):
+    """A transposed x and a sliced id vector: no Contiguous node, the kernel copies them itself."""
+    rng = np.random.default_rng(6)
+    triple, w, q = random_weight(rng, 40, 96, 4, 32)
+    packed = qmm.pack(*triple, 4, 32)
+    xt = mx.array(rng.standard_normal((96, 5)).astype(np.float32))
+    (out,) = _ext.quantized_matmul(xt.T, *packed, bits=4, group_size=32, columns=[40])
+    np.testing.assert_allclose(np.array(out), emulate(np.array(xt).T.copy(), q, np.array(triple[1]),
+                                                      np.array(triple[2]), 32), rtol=1e-5, atol=1e-4)
+    ids = mx.arange(40, dtype=mx.int32)[::3]
+    rows = _ext.quantized_rows(*packed, ids, bits=4, group_size=32, rows=40)
+    np.testing.assert_allclose(np.array(rows), w[np.arange(40)[::3]], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits,gs", FORMATS)
 def test_quantized_rows_are_the_dequantized_rows(isa, bits, gs):
     rng = np.random.default_rng(4)
