@@ -112,9 +112,11 @@ def set_cpu_isa(name: str) -> None:
 
 
 def _module():
-    module = load()
+    module = _state.get("module")  # load()'s decision, once made (per-call path of every kernel op)
     if module is None:
-        raise RuntimeError("CPU kernels are not available: check kernels.ext.load() first")
+        module = load()
+        if module is None:
+            raise RuntimeError("CPU kernels are not available: check kernels.ext.load() first")
     return module
 
 
@@ -154,9 +156,8 @@ def quantized_matmul(x, q, scales, biases, *, bits, group_size, columns, glu=-1,
     """x (..., K) float32 times a packed affine weight (kernels/qmm.py): a list with one float32
     (..., columns[j]) per output j; glu 0 (silu) / 1 (gelu_tanh) fuses act(gate) * up; x is
     quantized per 32 values to int8 or int16 (activation_bits 8 | 16). Needs load()."""
-    return _module().quantized_matmul(x, q, scales, biases, bits=int(bits), group_size=int(group_size),
-                                      columns=[int(c) for c in columns], glu=int(glu),
-                                      activation_bits=int(activation_bits))
+    return _module().quantized_matmul(x, q, scales, biases, bits=bits, group_size=group_size, columns=columns,
+                                      glu=glu, activation_bits=activation_bits)
 
 
 def quantized_rows(q, scales, biases, ids, *, bits, group_size, rows):

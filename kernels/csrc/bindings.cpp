@@ -7,6 +7,7 @@
 #include "activations.h"
 #include "causal_softmax.h"
 #include "isa.h"
+#include "kv_write.h"
 #include "mlx/version.h"
 #include "norm_rope.h"
 #include "paged_decode.h"
@@ -62,4 +63,7 @@ NB_MODULE(_kernels, m) {
   m.def("rope_qk", &metrale::rope_qk, "q"_a, "k"_a, "cos"_a, "sin"_a, nb::kw_only(), "traditional"_a = false,
         "RoPE of q (T, Hq, D) and k (T, Hk, D) float32 by per-token cos / sin (T, D / 2), one node on the\n"
         "CPU stream: [q, k] rotated (half-split pairs, or interleaved ones when traditional).");
+  m.def("kv_write", &metrale::kv_write, "pool"_a, "rows"_a, "slots"_a,
+        "The pool (S, H, D) with rows (T, H, D) written at slots (T,) int32, one node on the CPU stream;\n"
+        "in place when nothing else holds the old pool.");
 }
