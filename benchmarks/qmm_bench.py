@@ -11,7 +11,9 @@ in parentheses, the fastest. Rows:
   <isa>/int16  the kernels (kernels/qmm.py) as the model runs them: q/k/v fused into one call,
                gate/up fused with the SwiGLU epilogue, the tied lm_head from the 8-bit embedding;
                int16 or int8 activations (--activations)
-Also the weight bytes each path reads and the ratio float32 / qmm. Compare ratios from one run.
+Also the weight bytes each path reads and the ratio float32 / qmm. Compare ratios from one run; on a
+busy machine `--clock cpu` with METRALE_ATTENTION_THREADS=1 OPENBLAS_NUM_THREADS=1 compares the work of one
+core (OpenBLAS and the kernels each on one thread).
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ from metrale.loading import load_model  # noqa: E402
 from metrale.loading.weights import dequantize_affine  # noqa: E402
 
 
-def timed(fn, repeat: int) -> tuple[float, float]:
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn, repeat: int, clock=time.perf_counter) -> tuple[float, float]:
     fn()
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e3, min(times) * 1e3
 
 
@@ -84,6 +89,9 @@ def main() -> None:
                         help="activation precisions to time (int16: the default; int8: llama.cpp's Q8)")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--mlx-quantized", action="store_true", help="also time MLX's CPU quantized_matmul")
+    parser.add_argument("--clock", choices=sorted(CLOCK), default="wall",
+                        help="cpu: the process's CPU time (all threads), steadier than wall time on a busy "
+                             "machine; with METRALE_ATTENTION_THREADS=1 it is the work of one core")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if ext.load() is None or not ext.has_qmm_kernels():
@@ -102,7 +110,8 @@ def main() -> None:
         xs = {k: mx.random.normal((t, k)) for k in {w.shape[1] for w in weights}}
         mx.eval(list(xs.values()))
         row = {"tokens": t}
-        row["float32_ms"] = timed(lambda: mx.eval([xs[w.shape[1]] @ w.T for w in weights]), args.repeat)
+        clock = CLOCK[args.clock]
+        row["float32_ms"] = timed(lambda: mx.eval([xs[w.shape[1]] @ w.T for w in weights]), args.repeat, clock)
 
         def run_qmm():
             outs = [lin(xs[lin.in_features]) for lin in calls]
@@ -112,7 +121,7 @@ def main() -> None:
             ext.set_cpu_isa(isa)
             for module in (*calls, embed):
                 module.activation_bits = bits
-            row[f"qmm_{isa}_int{bits}_ms"] = timed(run_qmm, args.repeat)
+            row[f"qmm_{isa}_int{bits}_ms"] = timed(run_qmm, args.repeat, clock)
         ext.set_cpu_isa("auto")
         if args.mlx_quantized:
             qmods = [m for attn, mlp in model_layers(model)[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj,

@@ -85,8 +85,9 @@ struct KernelTable {
                     int D, bool traditional);
   // quantized matmul: quantize rows [t_begin, t_end) of x (T, K) into acts
   void (*qmm_quantize)(const float* x, const QmmActs& acts, int64_t t_begin, int64_t t_end);
-  // quantized matmul: panels [p_begin, p_end) (pairs with glu) for every token of acts
-  void (*qmm_panels)(const QmmWeights& w, const QmmActs& acts, const QmmOut& out, int64_t p_begin, int64_t p_end);
+  // quantized matmul: panels [p_begin, p_end) (pairs with glu) for tokens [t_begin, t_end) of acts
+  void (*qmm_panels)(const QmmWeights& w, const QmmActs& acts, const QmmOut& out, int64_t p_begin, int64_t p_end,
+                     int64_t t_begin, int64_t t_end);
 };
 
 const KernelTable* kernel_table_scalar();

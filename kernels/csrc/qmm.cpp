@@ -26,6 +26,7 @@ namespace {
 // ~50 us late on the 2-core dev VM; 256 KiB of weights take about that long on one core).
 constexpr int64_t kMinParallelBytes = 256 << 10;
 constexpr int64_t kPanelsPerTask = 4;
+constexpr int64_t kActivationBlockBytes = 192 << 10;  // quantized activations per task: half of a 1-2 MiB L2
 constexpr int64_t kRowsPerQuantizeTask = 16;
 
 std::string shape_str(const mx::array& a) {
@@ -159,13 +160,19 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       kernels.qmm_quantize(xp, acts, begin, std::min(tokens, begin + kRowsPerQuantizeTask));
     });
 
-    // tasks: runs of up to kPanelsPerTask panels (pairs with glu) inside one output
-    struct Task { int out; int64_t begin, end; };
+    // Tasks: up to kPanelsPerTask panels (pairs with glu) of one output x a block of tokens whose
+    // activations stay in L2 (every panel of the task reads all of them), token blocks outermost so
+    // that a thread's consecutive tasks share activations.
+    const int64_t act_bytes = static_cast<int64_t>(w.K) * planes;
+    const int64_t block = std::max<int64_t>(8, kActivationBlockBytes / act_bytes / 8 * 8);
+    struct Task { int out; int64_t begin, end, t_begin, t_end; };
     std::vector<Task> tasks;
-    for (int j = 0; j < static_cast<int>(outs.size()); ++j) {
-      const int64_t first = outs[j].first_panel, n = ceil_div(outs[j].columns, kPanelRows);
-      for (int64_t p = first; p < first + n; p += kPanelsPerTask)
-        tasks.push_back({j, p, std::min(first + n, p + kPanelsPerTask)});
+    for (int64_t t0 = 0; t0 < tokens; t0 += block) {
+      for (int j = 0; j < static_cast<int>(outs.size()); ++j) {
+        const int64_t first = outs[j].first_panel, n = ceil_div(outs[j].columns, kPanelRows);
+        for (int64_t p = first; p < first + n; p += kPanelsPerTask)
+          tasks.push_back({j, p, std::min(first + n, p + kPanelsPerTask), t0, std::min(tokens, t0 + block)});
+      }
     }
     const int64_t weight_bytes = w.panels * int64_t{kPanelRows} * w.K * w.bits / 8;
     const int64_t tiles = ceil_div(tokens, 8);
@@ -173,7 +180,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
         weight_bytes * tiles < kMinParallelBytes ? 1 : std::min(num_threads(), static_cast<int>(tasks.size()));
     parallel_for(static_cast<int>(tasks.size()), width, [&](int i, int) {
       const Task& t = tasks[i];
-      kernels.qmm_panels(w, acts, outs[t.out], t.begin, t.end);
+      kernels.qmm_panels(w, acts, outs[t.out], t.begin, t.end, t.t_begin, t.t_end);
     });
   });
 }

@@ -341,14 +341,15 @@ inline void glu_row(int kind, const float* gate, const float* up, float* out) {
 }
 
 template <int BITS, bool F16S, bool WIDE>
-void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end) {
+void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
+                int64_t t_begin, int64_t t_end) {
   static constexpr auto tiles = make_tiles<BITS, F16S, WIDE>(std::make_integer_sequence<int, kMaxTile>{});
   alignas(64) float acc[kMaxTile][R], up[kMaxTile][R];
   for (int64_t p = p_begin; p < p_end; ++p) {
     const int64_t col0 = (p - o.first_panel) * R;
     const int cols = static_cast<int>(kernel::min_of<int64_t>(R, o.columns - col0));
-    for (int64_t t0 = 0; t0 < a.tokens; t0 += kMaxTile) {
-      const int tt = static_cast<int>(kernel::min_of<int64_t>(kMaxTile, a.tokens - t0));
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += kMaxTile) {
+      const int tt = static_cast<int>(kernel::min_of<int64_t>(kMaxTile, t_end - t0));
       if (o.glu < 0) {
         tiles.fn[tt - 1](w, a, p, t0, acc);
       } else {  // pair p: gate panel 2p, up panel 2p + 1
@@ -362,16 +363,18 @@ void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t 
 }
 
 template <bool WIDE>
-void panels_of(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end) {
+void panels_of(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
+               int64_t t_begin, int64_t t_end) {
   if (w.bits == 4) {
-    (w.f16_scales ? run_panels<4, true, WIDE> : run_panels<4, false, WIDE>)(w, a, o, p_begin, p_end);
+    (w.f16_scales ? run_panels<4, true, WIDE> : run_panels<4, false, WIDE>)(w, a, o, p_begin, p_end, t_begin, t_end);
   } else {
-    (w.f16_scales ? run_panels<8, true, WIDE> : run_panels<8, false, WIDE>)(w, a, o, p_begin, p_end);
+    (w.f16_scales ? run_panels<8, true, WIDE> : run_panels<8, false, WIDE>)(w, a, o, p_begin, p_end, t_begin, t_end);
   }
 }
 
-inline void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end) {
-  (a.xlo != nullptr ? panels_of<true> : panels_of<false>)(w, a, o, p_begin, p_end);
+inline void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
+                   int64_t t_begin, int64_t t_end) {
+  (a.xlo != nullptr ? panels_of<true> : panels_of<false>)(w, a, o, p_begin, p_end, t_begin, t_end);
 }
 
 }  // namespace metrale::METRALE_ISA_NS::qmm
