@@ -15,6 +15,10 @@ alternate and the kernel returns act(gate) * up directly.
     QuantizedLinearCPU      one or more fused nn.QuantizedLinear; __call__(x (..., K)) -> (..., N) (or a tuple)
     QuantizedEmbeddingCPU   an nn.QuantizedEmbedding: lookups dequantize only the looked-up rows;
                             as_linear (the tied lm_head) runs the matmul kernel
+
+From BLAS_CROSSOVER rows on (kernel sets where it was measured faster: not avx512), a call
+dequantizes its weight to float32 and runs BLAS instead (`dequantized_matmul`); such rows then
+carry float32 rounding instead of the kernels' (a batch crossing the threshold changes them slightly).
 """
 
 from __future__ import annotations
@@ -111,6 +115,37 @@ def unpack(q: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.arr
     return (ints * s + b).reshape(panels * PANEL, k)  # (P * 16, K)
 
 
+# Token rows from which float32 BLAS on weights dequantized per call beats the kernels, per kernel set
+# (benchmarks/qmm_bench.py --clock cpu, one core, int16 activations, on a Zen 4 whose OpenBLAS uses
+# AVX-512): avx512 never (1.15x BLAS at 512 rows); avx2 0.90x at 24 rows, 1.7x at 8; scalar 0.62x at
+# 2 rows. A CPU without AVX-512 also runs a slower BLAS, so the avx2 figure is conservative.
+BLAS_CROSSOVER = {"avx512": None, "avx2": 16, "scalar": 2}
+
+
+def blas_crossover() -> int | None:
+    """Rows from which the running kernel set hands a quantized linear to float32 BLAS (None: never)."""
+    return BLAS_CROSSOVER.get(ext.cpu_isa() or "", None)
+
+
+def dequantized_matmul(x: mx.array, q: mx.array, scales: mx.array, biases: mx.array, *, bits: int,
+                       columns: Sequence[int], glu: int = -1) -> list[mx.array]:
+    """What the kernel computes, in float32 from the packed weight dequantized for this call: x (..., K)
+    -> one (..., columns[j]) per output; glu 0 / 1 (silu / gelu_tanh) over (gate, up) panel pairs.
+    The path for many rows where BLAS is faster (BLAS_CROSSOVER), and the tests' float reference."""
+    w = unpack(q, scales, biases, bits)  # (P * 16, K) float32
+    if glu >= 0:
+        pairs = w.reshape(-1, 2, PANEL, w.shape[1])  # (P / 2, [gate, up], 16, K)
+        gate = pairs[:, 0].reshape(-1, w.shape[1])[: columns[0]]  # (N, K)
+        up = pairs[:, 1].reshape(-1, w.shape[1])[: columns[0]]
+        act = nn.silu if glu == GLU_KINDS["silu"] else nn.gelu_approx
+        return [act(x @ gate.T) * (x @ up.T)]
+    outs, row = [], 0
+    for c in columns:
+        outs.append(x @ w[row : row + c].T)  # (..., c)
+        row += -(-c // PANEL) * PANEL
+    return outs
+
+
 def _format(layers: Sequence[nn.Module]) -> tuple[int, int]:
     formats = {(layer.bits, layer.group_size) for layer in layers}
     if len(formats) != 1:
@@ -151,6 +186,7 @@ class QuantizedLinearCPU(nn.Module):
         self.glu = glu
         self._glu_code = -1 if glu is None else GLU_KINDS[glu]
         self.in_features = scales.shape[1] * group_size
+        self.blas_rows = blas_crossover()  # from this many rows: dequantize per call, float32 BLAS
         if bias is not None and any(b is not None for b in bias):
             self.bias = [b if b is not None else mx.zeros((c,)) for b, c in zip(bias, self.columns)]
         self.freeze()
@@ -176,9 +212,14 @@ class QuantizedLinearCPU(nn.Module):
         """x (..., K) -> (..., N) for one output, else a tuple of (..., N_j)."""
         # the hot path of a decode step (~120 calls): dict reads, no attribute lookups through nn.Module
         dtype = x.dtype
-        outs = ext.quantized_matmul(x if dtype == mx.float32 else x.astype(mx.float32), self["q"], self["scales"],
-                                    self["biases"], bits=self.bits, group_size=self.group_size,
-                                    columns=self._columns, glu=self._glu_code, activation_bits=self.activation_bits)
+        x32 = x if dtype == mx.float32 else x.astype(mx.float32)
+        if self.blas_rows is not None and x.size >= self.blas_rows * self.in_features:
+            outs = dequantized_matmul(x32, self["q"], self["scales"], self["biases"], bits=self.bits,
+                                      columns=self._columns, glu=self._glu_code)
+        else:
+            outs = ext.quantized_matmul(x32, self["q"], self["scales"], self["biases"], bits=self.bits,
+                                        group_size=self.group_size, columns=self._columns, glu=self._glu_code,
+                                        activation_bits=self.activation_bits)
         bias = self.get("bias")
         if bias is not None:
             outs = [o + b for o, b in zip(outs, bias)]
@@ -200,6 +241,7 @@ class QuantizedEmbeddingCPU(nn.Module):
         super().__init__()
         self.bits, self.group_size = _format([embedding])
         self.activation_bits = matmul_activation_bits() if activation_bits is None else activation_bits
+        self.blas_rows = blas_crossover()
         self.num_embeddings = embedding.weight.shape[0]
         self.q, self.scales, self.biases = pack(embedding.weight, embedding.scales, embedding.biases,
                                                 self.bits, self.group_size)
@@ -213,9 +255,14 @@ class QuantizedEmbeddingCPU(nn.Module):
 
     def as_linear(self, x: mx.array) -> mx.array:
         """x (..., dims) -> (..., num_embeddings) float32."""
-        (out,) = ext.quantized_matmul(x if x.dtype == mx.float32 else x.astype(mx.float32), self.q, self.scales,
-                                      self.biases, bits=self.bits, group_size=self.group_size,
-                                      columns=[self.num_embeddings], activation_bits=self.activation_bits)
+        x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
+        if self.blas_rows is not None and x.size >= self.blas_rows * self.dims:
+            (out,) = dequantized_matmul(x32, self.q, self.scales, self.biases, bits=self.bits,
+                                        columns=[self.num_embeddings])
+        else:
+            (out,) = ext.quantized_matmul(x32, self.q, self.scales, self.biases, bits=self.bits,
+                                          group_size=self.group_size, columns=[self.num_embeddings],
+                                          activation_bits=self.activation_bits)
         return out
 
     def _extra_repr(self) -> str:

@@ -232,6 +232,27 @@ def test_modules_fuse_quantized_linears():
 
 
 @needs_kernel
+def test_blas_crossover_runs_the_same_layers_in_float32(monkeypatch):
+    """From BLAS_CROSSOVER rows on (kernel sets where BLAS was measured faster) a module dequantizes
+    per call: the same outputs within the kernels' activation error."""
+    assert qmm.BLAS_CROSSOVER["avx512"] is None and qmm.BLAS_CROSSOVER["scalar"] == 2
+    _ext.set_cpu_isa("scalar")
+    try:
+        assert qmm.blas_crossover() == 2
+    finally:
+        _ext.set_cpu_isa("auto")
+    rng = np.random.default_rng(11)
+    gate, up = (nn.QuantizedLinear.from_linear(nn.Linear(64, 40, bias=False), group_size=32, bits=4) for _ in "gu")
+    fused = qmm.QuantizedLinearCPU.from_layers([gate, up], glu="silu")
+    x = mx.array(rng.standard_normal((6, 64)).astype(np.float32))
+    fused.blas_rows = None
+    kernel_out = fused(x)
+    fused.blas_rows = 4  # 6 rows >= 4: the BLAS path
+    np.testing.assert_allclose(np.array(fused(x)), np.array(kernel_out), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(np.array(fused(x)), np.array(nn.silu(gate(x)) * up(x)), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kwargs,match", [
     ({"bits": 3}, "bits must be 4 or 8"),
     ({"group_size": 16}, "group_size"),
