@@ -20,6 +20,8 @@ along its packed columns, so each share must hold whole quantization groups.
 
 from __future__ import annotations
 
+import math
+
 from kernels.runtime import mx, nn
 from metrale.models.config import ModelConfig
 
@@ -39,11 +41,12 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
              "MLP features (intermediate_size)": config.intermediate_size}
     uneven = [f"{count} {what}" for what, count in parts.items() if count % size]
     if uneven:
+        common = math.gcd(*parts.values())
+        sizes = [n for n in range(2, common + 1) if common % n == 0]
+        hint = f"sizes that fit: {', '.join(map(str, sizes))}" if sizes else "no size above 1 fits"
         raise ValueError(
-            f"tensor parallel size {size} does not divide this model's {' and '.join(uneven)} "
-            f"({config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, intermediate_size "
-            f"{config.intermediate_size}): every rank must hold the same number of heads; use a size that divides "
-            f"them, or 1")
+            f"tensor parallel size {size} does not divide this model's {' and '.join(uneven)}: every rank must "
+            f"hold the same number of heads and MLP features ({hint})")
 
 
 def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:

@@ -156,9 +156,12 @@ class AsyncEngine:
         return loaded
 
     def _on_rank_failure(self, error: BaseException) -> None:
-        """A rank died or hung (event-loop thread): the engine is dead, every open request ends with an error."""
+        """A rank died or hung (event-loop thread): the engine is dead, every open request ends with an
+        error now, and the loop stops (its step in flight may never return from a dead collective)."""
         if self._core is not None and self._core.dead is None:
             self._core.die(error)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
 
     def _init_text(self, loaded: LoadedModel) -> None:
         template = ChatTemplate.for_tokenizer(loaded.tokenizer, loaded.config.architecture)
