@@ -72,7 +72,7 @@ def test_a_quantized_split_that_cuts_a_group_is_refused(tmp_path):
         load_model(str(folder), shard=partial(shard_model, group=FakeGroup(2, 0)))
 
 
-@pytest.mark.parametrize("arch", ["llama-gguf", "qwen3", "gemma3", "llama-q4-kernels", "llama-q4-float32"])
+@pytest.mark.parametrize("arch", ["llama-gguf", "qwen2", "qwen3", "gemma3", "llama-q4-kernels", "llama-q4-float32"])
 def test_the_sharded_forward_equals_the_unsharded_one(arch, tmp_path):
     dtype = "auto"
     if arch == "llama-gguf":
