@@ -17,7 +17,8 @@ __all__ = [
     "DuplicateRequestError", "EmptyPromptError", "EngineDeadError", "EngineDrainingError", "EngineNotRunningError",
     "EngineUnavailableError", "InvalidMessagesError", "InvalidParamsError", "InvalidPriorityError",
     "InvalidPromptError", "InvalidStructuredOutputError", "InvalidTokenIdError", "PromptTooLongError",
-    "QueueFullError", "RequestFailedError", "RequestRejectedError", "StructuredOutputUnavailableError", "TensorParallelError",
+    "QueueFullError", "RequestFailedError", "RequestRejectedError", "StructuredOutputUnavailableError",
+    "TensorParallelError",
 ]
 
 

@@ -209,6 +209,8 @@ class TensorParallelGroup:
             if self.failure is not None:
                 return
             dead = next((f for f in self._followers if f.exit_status() is not None), None)
+            if self._closing.is_set():  # close() is ending them
+                return
             if dead is not None:
                 self._fail(dead.describe_exit())
                 return

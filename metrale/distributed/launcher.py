@@ -117,7 +117,10 @@ class RankProcess:
         self._close_pipes()
 
     def stop(self, timeout_s: float) -> None:
-        """Close its pipe (it finishes the step it is in and exits); kill it after timeout_s."""
+        """Close its pipe (it finishes the step it is in and exits); kill it after timeout_s (at once for 0)."""
+        if timeout_s <= 0:
+            self.kill()
+            return
         try:
             self.process.stdin.close()
         except OSError:  # a pipe whose reader is gone: nothing left to tell it

@@ -148,6 +148,9 @@ class ModelRunner:
         the draft model, whose pools share the budget, when speculation uses one). With a
         tensor-parallel `group` the model holds this rank's share: its pools hold its kv heads only,
         and the budget is per rank."""
+        if (group.size if group is not None else 1) != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs the model sharded over a group "
+                             f"of that size (AsyncEngine starts one); got {group.size if group else 'no group'}")
         mc = loaded.config
         kv_heads = mc.num_key_value_heads // config.tensor_parallel_size
         spec = config.speculative_config

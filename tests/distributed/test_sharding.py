@@ -44,7 +44,8 @@ def _quantized_folder(tmp_path, intermediate_size: int):
 def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_numbers():
     smollm2 = ModelConfig(architecture="LlamaForCausalLM", hidden_size=576, intermediate_size=1536,
                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
-    with pytest.raises(ValueError, match=r"size 2 does not divide this model's 9 attention heads and 3 key/value heads"):
+    numbers = r"size 2 does not divide this model's 9 attention heads and 3 key/value heads"
+    with pytest.raises(ValueError, match=numbers):
         check_tensor_parallel(smollm2, 2)
     with pytest.raises(ValueError, match=r"\(sizes that fit: 3\)$"):
         check_tensor_parallel(smollm2, 2)
