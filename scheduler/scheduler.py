@@ -73,7 +73,7 @@ class Scheduler:
         self._running: list[Request] = []
         self._waiting: WaitingQueue = make_waiting_queue(config.policy)
         self._forks = PendingForks()  # children waiting for their parent's prompt
-        self._pending_copies: list[tuple[int, int]] = []  # block copies of forks, for the next step
+        self._pending_copies: dict[str, list[tuple[int, int]]] = {}  # child id -> its block copies, for the next step
         self.num_preemptions = 0  # total over the scheduler's life
 
     @property
@@ -233,7 +233,8 @@ class Scheduler:
             child.num_computed_tokens = num_shared
             child.num_cached_tokens = parent.num_cached_tokens
             bisect.insort(self._running, child, key=self._urgency)
-            self._pending_copies.extend(copies)
+            if copies:
+                self._pending_copies[child.request_id] = copies
 
     def _build_output(self, num_new: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
         scheduled = []
@@ -256,7 +257,10 @@ class Scheduler:
             req.spec_token_ids, req.num_spec_tokens = (), 0
         for req in self._running:  # drafts of requests that got no slot this step are stale next step
             req.spec_token_ids, req.num_spec_tokens = (), 0
-        copies, self._pending_copies = tuple(self._pending_copies), []
+        # a child preempted before its copy ran has freed the copy's block: its copy is dropped
+        copies = tuple(c for rid, pairs in self._pending_copies.items() if self._requests.get(rid) is not None
+                       and self._requests[rid].status is _RUNNING for c in pairs)
+        self._pending_copies = {}
         return SchedulerOutput(
             scheduled=tuple(scheduled),
             num_batched_tokens=sum(s.num_tokens for s in scheduled),

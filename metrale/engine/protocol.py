@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from metrale.engine.stream import RequestStream
+from metrale.engine.stream import GroupStream, RequestStream
 from metrale.outputs import EngineInfo, EngineStats
 from metrale.sampling_params import SamplingParams
 
@@ -50,11 +50,11 @@ class EngineClient(Protocol):
         EngineNotRunningError before start."""
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, priority: int = 0) -> RequestStream:
+                 request_id: str | None = None, priority: int = 0) -> RequestStream | GroupStream:
         """Queue a request and return its stream; raises a typed rejection (metrale.errors)."""
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream:
+             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream | GroupStream:
         """`generate` over the model's chat template rendered for `messages` (and `tools`)."""
 
     async def prepare(self, params: SamplingParams) -> None:
