@@ -362,6 +362,10 @@ class AsyncEngine:
             raise EngineNotRunningError("engine not started")
         return self._inputs.vocab_size
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a token sequence (special tokens kept), e.g. a prompt given as ids, echoed back."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([token_id]) for token_id in token_ids]
 

@@ -64,9 +64,10 @@ class EngineClient(Protocol):
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """What `generate` would submit for `prompt`; a long text is tokenized off the event loop."""
 
-    async def chat_token_ids(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None) -> list[int]:
-        """What `chat` would submit for `messages` (and `tools`, given to the chat template); a long
-        conversation is tokenized off the event loop."""
+    async def chat_token_ids(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None,
+                             **template_kwargs: Any) -> list[int]:
+        """What `chat` would submit for `messages` (and `tools` and `template_kwargs`, given to the chat
+        template); a long conversation is tokenized off the event loop."""
 
     async def wait_until_dead(self) -> BaseException | None:
         """Wait for the engine loop to end: the error that killed it, or None when it was shut down."""
@@ -76,6 +77,9 @@ class EngineClient(Protocol):
 
     def abort_all(self) -> None:
         """Abort every unfinished request now (a forced shutdown)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a token sequence (special tokens kept)."""
 
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         """Each token decoded alone (for logprobs); a partial UTF-8 character renders as U+FFFD."""

@@ -69,6 +69,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None
+    prompt_logprobs: Int64 | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -106,13 +107,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                 "include_stop_str_in_output", "skip_special_tokens")
 PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
-                              "prompt", "messages", "n", "model", *structured.PARAM_NAMES)
+                              "prompt", "messages", "n", "model", "best_of", "echo", "prompt_logprobs",
+                              "chat_template_kwargs", *structured.PARAM_NAMES)
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")  # set by the server itself
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -174,6 +178,12 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
     logprobs = _logprobs(request)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    kwargs["n"] = request.n
+    prompt_logprobs = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)  # echo returns the prompt's logprobs too
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     kwargs.update(structured.sampling_fields(request))
     try:
         return SamplingParams(**kwargs)
@@ -192,17 +202,25 @@ def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    if request.n != 1:
-        raise bad_request(f"n must be 1 (parallel sampling is not supported), got {request.n}", "n")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise bad_request("echo is not supported", "echo")
         if request.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if request.best_of not in (None, 1):
-            raise bad_request("best_of is not supported", "best_of")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request(f"best_of must equal n ({request.n}): every sampled sequence is returned, choosing "
+                              f"the best {request.n} of {request.best_of} is not supported", "best_of")
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False)."""
+    kwargs = request.chat_template_kwargs or {}
+    for name in kwargs:
+        if not name.isidentifier() or name in _TEMPLATE_RESERVED:
+            raise bad_request(f"chat_template_kwargs cannot set {name!r}", "chat_template_kwargs")
+    return dict(kwargs)
 
 
 def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:

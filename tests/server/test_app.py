@@ -34,7 +34,8 @@ async def test_completion_shape(app):
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["model"] == "fake-model" and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": "Hello world!", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_completion_stream_shape(app):
@@ -49,7 +50,7 @@ async def test_completion_stream_shape(app):
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
     assert all(c["usage"] is None for c in chunks)
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
-                                                         "total_tokens": 5}
+                                                         "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_shapes(app):
@@ -98,7 +99,12 @@ async def test_extra_sampling_fields_reach_sampling_params(app, engine):
     (COMPLETIONS, {"prompt": "a", "temperature": 3.5}, 400, "temperature"),
     (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, "top_p"),
     (COMPLETIONS, {"prompt": "a", "seed": 2**70}, 400, "seed"),
-    (COMPLETIONS, {"prompt": "a", "n": 2}, 400, "n"),
+    (COMPLETIONS, {"prompt": "a", "n": 0}, 400, "n"),
+    (COMPLETIONS, {"prompt": "a", "n": 2, "best_of": 3}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    (CHAT, {"messages": MESSAGES, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
