@@ -237,3 +237,10 @@ async def test_a_body_that_never_arrives_is_a_408(engine):
 
     await asyncio.wait_for(app(scope, receive, send), 5)
     assert sent[0]["status"] == 408
+
+
+async def test_chat_template_kwargs_reach_the_template(app, engine):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 1,
+                                       "chat_template_kwargs": {"enable_thinking": False, "x": [1]}})
+    assert r.status == 200, r.body
+    assert engine.template_kwargs == [{"enable_thinking": False, "x": [1]}]
