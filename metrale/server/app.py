@@ -28,6 +28,7 @@ from metrale.engine.protocol import EngineClient
 from metrale.server import completions, worker_api
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
                                  send_error, send_json)
+from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class ServerApp:
     body_timeout_s: a request body that has not fully arrived after this long gets a 408.
     tool_call_parser: how the model writes tool calls (a metrale.text.tool_parsers format); by default
         what the engine reads from the model's chat template.
+    allowed_origins: origins browsers may call the API from ("*" for any; see cors.py).
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
     """
@@ -56,7 +58,7 @@ class ServerApp:
                  model_aliases: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
-                 tool_call_parser: str | None = None,
+                 tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
@@ -65,6 +67,7 @@ class ServerApp:
         self.dead_grace_s = dead_grace_s
         self.manage_engine = manage_engine
         self.tool_call_parser = tool_call_parser
+        self.cors = CorsPolicy(tuple(allowed_origins))
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
@@ -105,10 +108,17 @@ class ServerApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
+        cors_headers = self.cors.response_headers(scope) if self.cors else []
+        if self.cors and self.cors.is_preflight(scope):
+            status, headers = self.cors.preflight(scope)
+            return await send_bytes(send, status, b"", headers)
 
         async def tracked_send(message: dict) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if cors_headers:
+                    message = {**message, "headers": [*message.get("headers", []), *cors_headers]}
             await send(message)
 
         try:
@@ -120,12 +130,12 @@ class ServerApp:
                 self.engine.record_rejected(error.reject_reason)
             if started:
                 raise
-            await send_error(send, error)
+            await send_error(tracked_send, error)
         except Exception:
             logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
             if started:
                 raise
-            await send_error(send, APIError(500, "internal server error", code="internal_error"))
+            await send_error(tracked_send, APIError(500, "internal server error", code="internal_error"))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
