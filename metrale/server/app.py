@@ -7,6 +7,7 @@
     GET  /v1/models[/{id}]       the one served model
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
+    POST /v1/responses           OpenAI's Responses API: see responses.py
 
 Hand-written rather than a framework: a dozen routes, msgspec bodies, and direct control of the
 ASGI `receive` channel, which the disconnect watcher needs. With `manage_engine` the app starts the
@@ -25,7 +26,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import completions, worker_api
+from metrale.server import completions, responses, worker_api
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
                                  send_error, send_json)
 from metrale.server.cors import CorsPolicy
@@ -34,6 +35,7 @@ from metrale.server.errors import APIError
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+RESPONSES_PATH = "/v1/responses"
 
 
 class ServerApp:
@@ -157,6 +159,14 @@ class ServerApp:
                                             request_id=client_request_id(scope),
                                             tool_call_format=self.tool_call_parser,
                                             model_aliases=self.model_aliases)
+        if path == RESPONSES_PATH:
+            if method != "POST":
+                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
+            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            return await responses.handle(self.engine, self.model_name, body, send, receive,
+                                          default_max_tokens=self.default_max_tokens,
+                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                          model_aliases=self.model_aliases)
         if path == "/v1/models":
             return await self._only(method, "GET", send_json(send, 200, {"object": "list",
                                                                          "data": [self._model_card()]}))

@@ -107,7 +107,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
     if plan is not None:
         params = plan.params(params)
-    await _prepare(engine, params, "tools" if plan is not None and plan.choice in ("required", "named")
+    await prepare_params(engine, params, "tools" if plan is not None and plan.choice in ("required", "named")
                    else structured.source_of(request))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     try:
@@ -140,7 +140,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
 
 
-async def _prepare(engine: EngineClient, params: Any, source: str) -> None:
+async def prepare_params(engine: EngineClient, params: Any, source: str) -> None:
     """Compile the request's grammar off the event loop; a bad one is a 400 naming its field."""
     try:
         await engine.prepare(params)
