@@ -98,7 +98,8 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
                  default_max_tokens: int | None, request_id: str | None = None,
                  tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
-    `request_id` (the client's X-Request-Id) names the engine request; else the response id does.
+    `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
+    field, which also makes the response id), else the response id.
     `tool_call_format` overrides the format the engine reads from the model's chat template;
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
@@ -121,11 +122,12 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         echo = None
         if not chat and request.echo:
             echo = prompt if isinstance(prompt, str) else engine.decode(prompt_ids)
-        call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model,
+        call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id or uuid.uuid4().hex}",
+                     int(time.time()), model,
                      include_usage, params.logprobs,
                      plan if plan is not None and plan.stream() is not None else None, params.n, echo,
                      tuple(prompt_ids), request.prompt_logprobs)
-        stream = engine.generate(prompt_ids, params, request_id=request_id or call.id)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     except APIError:
         raise
     except Exception as error:

@@ -45,6 +45,7 @@ class FakeEngine:
         self.prepared: list[SamplingParams] = []
         self.chat_tools: list = []
         self.template_kwargs: list[dict] = []
+        self.generated_ids: list[str | None] = []
 
     def health(self) -> str:
         return self.state
@@ -81,6 +82,7 @@ class FakeEngine:
             raise PromptTooLongError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) "
                                      f"exceeds max_model_len ({self.max_model_len})")
         self.submitted.append((prompt, params))
+        self.generated_ids.append(request_id)
         if params.n > 1:  # one scripted sequence per index, under ids id, id#1, ...
             ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
             channels = [OutputChannel(rid) for rid in ids]

@@ -81,12 +81,26 @@ async def test_chat_default_max_tokens_and_content_parts(engine):
 
 async def test_extra_sampling_fields_reach_sampling_params(app, engine):
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "top_k": 5, "min_p": 0.1, "seed": 7,
-            "stop": "x", "repetition_penalty": 1.1, "ignore_eos": True, "user": "ignored", "unknown": 1}
+            "stop": "x", "repetition_penalty": 1.1, "ignore_eos": True, "user": "ignored", "unknown": 1,
+            "top_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 1,
+            "stop_token_ids": [4], "include_stop_str_in_output": True, "skip_special_tokens": False}
     assert (await call(app, "POST", COMPLETIONS, body)).status == 200
     prompt, params = engine.submitted[-1]
     assert prompt == [1, 2, 3]
     assert (params.temperature, params.top_k, params.min_p, params.seed, params.stop, params.ignore_eos) == \
         (0.0, 5, 0.1, 7, ("x",), True)
+    assert (params.top_p, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == \
+        (0.9, 0.5, -0.5, 1.1)
+    assert (params.min_tokens, params.stop_token_ids, params.include_stop_str_in_output,
+            params.skip_special_tokens) == (1, (4,), True, False)
+
+
+async def test_request_id_names_the_request_and_the_response(app, engine):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 1, "request_id": "abc"})
+    assert r.status == 200 and r.json()["id"] == "chatcmpl-abc"
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "a", "max_tokens": 1, "request_id": "abc", "stream": True})
+    assert r.events()[0]["id"] == "cmpl-abc"
+    assert engine.generated_ids[-2:] == ["abc", "abc"]
 
 
 @pytest.mark.parametrize("path, body, status, param", [
