@@ -230,6 +230,15 @@ def test_chat_deltas_count_only_with_content():
     assert parse_event({"choices": [{"delta": {"content": "Hi"}}]}) == Chunk(1)
 
 
+def test_an_event_with_text_and_usage_is_both_output_and_the_count():
+    """llama-server's last event carries usage and, when it merged tokens under load, text as well."""
+    event = {"choices": [{"text": " end", "finish_reason": "length"}],
+             "usage": {"prompt_tokens": 128, "completion_tokens": 128}}
+    assert parse_event(event) == Chunk(1, prompt_tokens=128, completion_tokens=128)
+    assert parse_event({"choices": [{"text": "", "finish_reason": "length"}], "usage": event["usage"]}) == \
+        Chunk(0, prompt_tokens=128, completion_tokens=128)
+
+
 # ---- workloads ----
 
 
