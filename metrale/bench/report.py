@@ -48,7 +48,8 @@ def format_result(result: dict[str, Any], title: str = "Serving Benchmark Result
         slos = " ".join(f"{k}:{v:g}" for k, v in result["goodput_slos_ms"].items())
         lines += [_row("Goodput SLOs (ms):", slos),
                   _row("Request goodput (req/s):", result["request_goodput"]),
-                  _row("Requests meeting all SLOs:", f"{result['good_requests']} ({result['request_goodput_ratio']:.0%})")]
+                  _row("Requests meeting all SLOs:",
+                       f"{result['good_requests']} ({result['request_goodput_ratio']:.0%})")]
     lines += [_row("Output token throughput (tok/s):", result["output_throughput"]),
               _row("Total token throughput (tok/s):", result["total_token_throughput"])]
     for metric in LATENCY_METRICS:

@@ -41,7 +41,12 @@ def test_a_real_snapshot_sees_this_process():
 async def test_waits_until_the_others_are_quiet(monkeypatch):
     readings = iter([0.9, 0.5, 0.1])
     seen = []
-    monkeypatch.setattr(machine, "other_busy", lambda labelled, sample_s: (seen.append(dict(labelled)), next(readings))[1])
+
+    def other_busy(labelled, sample_s):
+        seen.append(dict(labelled))
+        return next(readings)
+
+    monkeypatch.setattr(machine, "other_busy", other_busy)
     messages = []
     quiet = await wait_for_quiet({"server": 7}, max_other_busy=0.15, poll_s=0.0, log=messages.append)
     assert quiet["quiet"] and quiet["other_busy_before"] == 0.1 and len(messages) == 2
