@@ -9,7 +9,8 @@ tokens each, greedy, ignore_eos, all sent at t=0; the same prompts for every eng
 for every level and round (no prefix-cache help). Each level runs the engines one after the
 other, the first one rotating; nothing else of the benchmark runs meanwhile (the other servers
 sit idle). Before each run the script waits until other processes use at most
---max-other-busy of the machine, and it records the load average and who used the CPU.
+--max-other-busy of the machine (over 3 s), and it repeats a run (new prompts, up to --retries
+times) that others disturbed by more than that; it records the load average and who used the CPU.
 
 Engines, all driven by metrale's load generator (metrale.bench), all on the same GGUF:
   metrale    `metrale serve` in a subprocess, over HTTP (--metrale-in-process: AsyncEngine here)
@@ -39,7 +40,7 @@ from peers import report
 
 from metrale.bench.loadgen import BenchSettings, run_benchmark
 from metrale.bench.machine import cpu_snapshot, cpu_usage, load_average, wait_for_quiet
-from metrale.bench.workloads import random_requests
+from metrale.bench.workloads import BenchRequest, random_requests
 
 ENGINES = ("metrale", "llama.cpp", "mlx-lm")
 
@@ -63,13 +64,17 @@ class Plan:
     prompt_len: int
     output_len: int
     vocab_size: int
-    max_other_busy: float = 0.15
+    max_other_busy: float = 0.15  # of the machine, by other processes: before a run, and during it
     max_wait_quiet_s: float = 900.0
+    quiet_sample_s: float = 3.0  # the quiet check's averaging window
+    retries: int = 2  # of a run disturbed by other processes
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1 or self.rounds < 1:
             raise ValueError(f"need streams >= 1 and rounds >= 1, got {self.streams} and {self.rounds}")
+        if self.retries < 0 or self.quiet_sample_s <= 0:
+            raise ValueError(f"need retries >= 0 and quiet_sample_s > 0, got {self.retries}, {self.quiet_sample_s}")
         if min(self.prompt_len, self.output_len) < 1:
             raise ValueError(f"prompt and output lengths must be >= 1, got {self.prompt_len}, {self.output_len}")
 
@@ -78,12 +83,21 @@ def log(message: str) -> None:
     print(f"# {message}", file=sys.stderr, flush=True)
 
 
-async def measure_one(peer: Peer, requests: list, streams: int, plan: Plan, watched: dict[str, int]) -> dict[str, Any]:
+def level_requests(plan: Plan, round_: int, streams: int, attempt: int = 0) -> list[BenchRequest]:
+    """One level's requests, the same for every engine. A repeated run gets new prompts, so that no
+    engine's prefix cache has seen them."""
+    return random_requests(streams, plan.prompt_len, plan.output_len, vocab_size=plan.vocab_size,
+                           seed=plan.seed + 1_000_000 * attempt + 1000 * (round_ + 1) + streams)
+
+
+async def attempt_run(peer: Peer, requests: list[BenchRequest], plan: Plan, watched: dict[str, int]) -> dict[str, Any]:
     """One run of one engine, after waiting for a quiet machine; the result with its CPU record."""
-    quiet = await wait_for_quiet(watched, max_other_busy=plan.max_other_busy, max_wait_s=plan.max_wait_quiet_s, log=log)
+    quiet = await wait_for_quiet(watched, max_other_busy=plan.max_other_busy, max_wait_s=plan.max_wait_quiet_s,
+                                 sample_s=plan.quiet_sample_s, log=log)
     if not quiet["quiet"]:
         log(f"measuring {peer.name} anyway after {quiet['waited_s']:.0f} s: "
             f"others use {quiet['other_busy_before']:.0%}")
+    streams = len(requests)
     before = cpu_snapshot()
     result = await run_benchmark(peer.target, requests, BenchSettings(max_concurrency=streams),
                                  label=f"{peer.name}, {streams} streams", percentiles=(50.0, 90.0, 99.0))
@@ -92,6 +106,22 @@ async def measure_one(peer: Peer, requests: list, streams: int, plan: Plan, watc
     lens = result["details"]
     result["token_counts_ok"] = result["failed"] == 0 and all(
         n == r.output_len and p == r.prompt_len for n, p, r in zip(lens["output_lens"], lens["input_lens"], requests))
+    return result
+
+
+async def measure_one(peer: Peer, round_: int, streams: int, plan: Plan, watched: dict[str, int]) -> dict[str, Any]:
+    """One engine at one level: a run, repeated (up to plan.retries times, with new prompts) while
+    other processes used more than plan.max_other_busy of the machine during it."""
+    disturbed = []
+    for attempt in range(plan.retries + 1):
+        result = await attempt_run(peer, level_requests(plan, round_, streams, attempt), plan, watched)
+        if result["cpu"]["other"] <= plan.max_other_busy or attempt == plan.retries:
+            break
+        disturbed.append({"output_throughput": result["output_throughput"], "mean_ttft_ms": result["mean_ttft_ms"],
+                          "cpu": result["cpu"]})
+        log(f"{peer.name} at {streams} streams disturbed (others used {result['cpu']['other']:.0%} of the machine "
+            f"during it): again")
+    result["disturbed_attempts"] = disturbed
     log(f"{peer.name:>9} {streams:>2} streams: {result['output_throughput']:7.1f} tok/s, mean TTFT "
         f"{result['mean_ttft_ms'] / 1e3:6.2f} s, other CPU {result['cpu']['other']:.0%}, "
         f"load {result['load_average_after'][0]}" + ("" if result["token_counts_ok"] else ", TOKEN COUNTS WRONG"))
@@ -107,11 +137,9 @@ async def compare(peers: Sequence[Peer], plan: Plan) -> list[dict[str, Any]]:
     runs = []
     for round_ in range(plan.rounds):
         for level, streams in enumerate(plan.streams):
-            requests = random_requests(streams, plan.prompt_len, plan.output_len, vocab_size=plan.vocab_size,
-                                       seed=plan.seed + 1000 * (round_ + 1) + streams)
             first = (round_ * len(plan.streams) + level) % len(peers)
             for peer in [*peers[first:], *peers[:first]]:
-                result = await measure_one(peer, requests, streams, plan, watched)
+                result = await measure_one(peer, round_, streams, plan, watched)
                 runs.append({"round": round_ + 1, **result})
     return runs
 
@@ -184,6 +212,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-other-busy", type=float, default=0.15,
                         help="wait before each run until other processes use at most this share of the machine")
     parser.add_argument("--max-wait-quiet", type=float, default=900.0, help="s; then measure anyway (recorded)")
+    parser.add_argument("--retries", type=int, default=2,
+                        help="repeat a run (new prompts) when other processes used more than --max-other-busy "
+                             "of the machine during it, at most this many times (the attempts are recorded)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="compare_peers", help="file stem of the JSON, table and plot")
@@ -194,7 +225,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with open_peers(args) as (peers, vocab):
         plan = Plan(streams=tuple(args.streams), rounds=args.rounds, prompt_len=args.prompt_len,
                     output_len=args.output_len, vocab_size=vocab, max_other_busy=args.max_other_busy,
-                    max_wait_quiet_s=args.max_wait_quiet, seed=args.seed)
+                    max_wait_quiet_s=args.max_wait_quiet, retries=args.retries, seed=args.seed)
         runs = await compare(peers, plan)
         engines = {p.name: p.info for p in peers}
     return report.result_document(runs, engines, vars(args))

@@ -65,6 +65,7 @@ def summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "max_other_cpu_during_run": max(r["cpu"]["other"] for r in runs),
         "max_steal_during_run": max(r["cpu"]["steal"] for r in runs),
         "all_runs_started_quiet": all(r["quiet"]["quiet"] for r in runs),
+        "disturbed_runs_repeated": sum(len(r.get("disturbed_attempts", ())) for r in runs),
         "token_counts_ok": all(r["token_counts_ok"] for r in runs),
     }
 
@@ -132,7 +133,8 @@ def conditions(document: Mapping[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs; 1-min load average {s['load_average_1m'][0]:.2f}-"
         f"{s['load_average_1m'][1]:.2f} over the runs; other processes used at most "
         f"{s['max_other_cpu_during_run']:.0%} of the machine during a run (steal at most "
-        f"{s['max_steal_during_run']:.0%}); every run started quiet: {s['all_runs_started_quiet']}; "
+        f"{s['max_steal_during_run']:.0%}; {s['disturbed_runs_repeated']} disturbed runs were repeated); "
+        f"every run started quiet: {s['all_runs_started_quiet']}; "
         f"token counts as asked in every run: {s['token_counts_ok']}.",
     ]
     return "\n".join(lines)

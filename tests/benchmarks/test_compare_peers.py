@@ -29,13 +29,13 @@ def compare_peers(monkeypatch):
 
 
 class FakeEngine:
-    """Streams the asked number of tokens (`short` fewer), reporting the prompt length; logs who ran when."""
+    """Streams the asked number of tokens (`short` fewer), reporting the prompt length; logs who ran what."""
 
     def __init__(self, name: str, log: list, short: int = 0):
         self.name, self.log, self.short = name, log, short
 
     async def stream(self, request):
-        self.log.append((self.name, len(request.prompt)))
+        self.log.append((self.name, tuple(request.prompt)))
         for _ in range(request.output_len - self.short):
             await asyncio.sleep(0.001)
             yield Chunk(1, prompt_tokens=len(request.prompt))
@@ -47,7 +47,7 @@ async def test_fake_engines_through_the_loop_the_table_the_json_and_the_plot(com
     log: list = []
     names = ("metrale", "llama.cpp", "mlx-lm")
     peers = [compare_peers.Peer(n, FakeEngine(n, log), info={"transport": "fake"}) for n in names]
-    plan = compare_peers.Plan(streams=(1, 8), rounds=2, prompt_len=5, output_len=3, vocab_size=1000)
+    plan = compare_peers.Plan(streams=(1, 8), rounds=2, prompt_len=5, output_len=3, vocab_size=1000, retries=0)
     runs = await compare_peers.compare(peers, plan)
 
     assert [(r["round"], r["streams"]) for r in runs] == [(1, 1)] * 3 + [(1, 8)] * 3 + [(2, 1)] * 3 + [(2, 8)] * 3
@@ -55,7 +55,9 @@ async def test_fake_engines_through_the_loop_the_table_the_json_and_the_plot(com
     assert all(r["token_counts_ok"] and r["completed"] == r["streams"] for r in runs)
     assert all(r["total_output_tokens"] == 3 * r["streams"] and r["max_concurrency"] == r["streams"] for r in runs)
     measured = log[12:]  # after 4 warm-up requests per engine
-    assert len(measured) == 2 * (1 + 8) * 3 and {p for _, p in measured} == {5}
+    assert len(measured) == 2 * (1 + 8) * 3 and {len(p) for _, p in measured} == {5}
+    level = [p for _, p in measured[:3]]
+    assert level[0] == level[1] == level[2]  # the engines of a level get the same prompts
     assert {"machine", "client", "other", "steal", "top_other"} <= runs[0]["cpu"].keys()
 
     document = report.result_document(runs, {p.name: p.info for p in peers}, vars(compare_peers.parse_args([])))
@@ -81,9 +83,30 @@ async def test_wrong_token_counts_are_flagged(compare_peers):
     peers = [compare_peers.Peer("metrale", FakeEngine("metrale", [])),
              compare_peers.Peer("llama.cpp", FakeEngine("llama.cpp", [], short=1))]
     runs = await compare_peers.compare(peers, compare_peers.Plan(streams=(2,), rounds=1, prompt_len=4, output_len=3,
-                                                                 vocab_size=1000))
+                                                                 vocab_size=1000, retries=0))
     assert [r["token_counts_ok"] for r in runs] == [True, False]
     assert report.summary(runs)["token_counts_ok"] is False
+
+
+async def test_a_disturbed_run_is_repeated_with_new_prompts(compare_peers, monkeypatch):
+    others = iter([0.6, 0.4, 0.05])  # the first two attempts were disturbed, the third was not
+
+    def cpu_usage(before, after, watched):
+        return {"machine": 1.0, "client": 0.0, "other": next(others), "steal": 0.0, "top_other": []}
+
+    monkeypatch.setattr(compare_peers, "cpu_usage", cpu_usage)
+    log: list = []
+    plan = compare_peers.Plan(streams=(1,), rounds=1, prompt_len=4, output_len=2, vocab_size=1000, retries=2)
+    [run] = await compare_peers.compare([compare_peers.Peer("metrale", FakeEngine("metrale", log))], plan)
+    assert [a["cpu"]["other"] for a in run["disturbed_attempts"]] == [0.6, 0.4] and run["cpu"]["other"] == 0.05
+    prompts = [p for _, p in log[4:]]
+    assert len(prompts) == 3 and len(set(prompts)) == 3  # no prefix cache can help a repeat
+
+    others = iter([0.9, 0.9])  # what the patched cpu_usage reads now
+    [run] = await compare_peers.compare([compare_peers.Peer("metrale", FakeEngine("metrale", []))],
+                                        compare_peers.Plan(streams=(1,), rounds=1, prompt_len=4, output_len=2,
+                                                           vocab_size=1000, retries=1))
+    assert len(run["disturbed_attempts"]) == 1 and run["cpu"]["other"] == 0.9  # out of retries: kept, recorded
 
 
 def made_up_run(engine, streams, tok_s, ttft_ms=100.0):
