@@ -144,54 +144,79 @@ async def compare(peers: Sequence[Peer], plan: Plan) -> list[dict[str, Any]]:
     return runs
 
 
+async def open_metrale(stack: contextlib.AsyncExitStack, args: argparse.Namespace, model_path: Path) -> Peer:
+    """`metrale serve` in a subprocess (or the AsyncEngine here, with --metrale-in-process)."""
+    from peers import servers
+
+    from metrale.bench.targets import EngineTarget, OpenAITarget
+
+    max_num_seqs = max(64, *args.streams)
+    if args.metrale_in_process:
+        from metrale import AsyncEngine, EngineConfig
+
+        engine = await stack.enter_async_context(AsyncEngine(EngineConfig(model=str(model_path),
+                                                                          max_num_seqs=max_num_seqs)))
+        return Peer("metrale", EngineTarget(engine), info={"transport": "in process (AsyncEngine)"})
+    port = servers.free_port()
+    command = servers.metrale_serve_command(port, model=str(model_path), max_num_seqs=max_num_seqs,
+                                            extra=shlex.split(args.metrale_args))
+    server = stack.enter_context(servers.ServerProcess(command, "metrale", port))
+    target = await stack.enter_async_context(OpenAITarget(server.url, name="metrale", timeout_s=3600))
+    return Peer("metrale", target, {"metrale serve": server.pid},
+                {"transport": "HTTP (metrale serve)", "command": shlex.join(["python", *command[1:]])})
+
+
+async def open_llama_cpp(stack: contextlib.AsyncExitStack, args: argparse.Namespace, model_path: Path,
+                         binary: Path) -> Peer:
+    """`llama-server` in a subprocess, a slot per stream."""
+    from peers import servers
+
+    from metrale.bench.targets import OpenAITarget
+
+    port = servers.free_port()
+    command = servers.llama_server_command(binary, model_path, port, threads=args.threads, parallel=max(args.streams),
+                                           ctx_per_slot=max(512, args.prompt_len + args.output_len + 16),
+                                           extra=shlex.split(args.llama_args))
+    server = stack.enter_context(servers.ServerProcess(command, "llama.cpp", port))
+    target = await stack.enter_async_context(OpenAITarget(server.url, name="llama.cpp", timeout_s=3600))
+    return Peer("llama.cpp", target, {"llama-server": server.pid}, {
+        "transport": "HTTP (llama-server)", "command": shlex.join(command),
+        "version": servers.llama_server_version(binary), "cpu_backend": servers.loaded_cpu_backend(server.pid)})
+
+
+async def open_mlx_lm(stack: contextlib.AsyncExitStack, args: argparse.Namespace, loaded: Any) -> Peer:
+    """mlx-lm's BatchGenerator on its own thread here, on `loaded`'s (float) weights."""
+    from metrale.bench.mlx_lm_target import MlxLmTarget, mlx_lm_model
+
+    factory = functools.partial(mlx_lm_model, loaded.config, loaded.model)
+    target = await stack.enter_async_context(MlxLmTarget(factory, completion_batch_size=max(32, *args.streams)))
+    return Peer("mlx-lm", target, info={"transport": "in process (BatchGenerator on its own thread)",
+                                        "weights": str(loaded.dtype)})
+
+
 @contextlib.asynccontextmanager
 async def open_peers(args: argparse.Namespace) -> AsyncIterator[tuple[list[Peer], int]]:
     """The engines of --engines, started and ready, and the model's vocabulary size."""
     from peers import servers
 
-    from metrale.bench.mlx_lm_target import MlxLmTarget, mlx_lm_model
-    from metrale.bench.targets import EngineTarget, OpenAITarget
     from metrale.loading import load_model
     from metrale.loading.default_model import default_model_path
 
     model_path = Path(args.model) if args.model else default_model_path()
+    # first, as it may build llama.cpp for a quarter of an hour
+    binary = servers.llama_server_binary(args.llama_server) if "llama.cpp" in args.engines else None
     loaded = load_model(model_path, keep_quantized=False)  # mlx-lm's weights, and the vocabulary
-    max_streams = max(args.streams)
-    peers = {}
+    peers = []
     async with contextlib.AsyncExitStack() as stack:
-        if "metrale" in args.engines and args.metrale_in_process:
-            from metrale import AsyncEngine, EngineConfig
-
-            engine = await stack.enter_async_context(AsyncEngine(EngineConfig(
-                model=str(model_path), max_num_seqs=max(64, max_streams))))
-            peers["metrale"] = Peer("metrale", EngineTarget(engine), info={"transport": "in process (AsyncEngine)"})
-        elif "metrale" in args.engines:
-            port = servers.free_port()
-            command = servers.metrale_serve_command(port, model=str(model_path), max_num_seqs=max(64, max_streams),
-                                                    extra=shlex.split(args.metrale_args))
-            server = stack.enter_context(servers.ServerProcess(command, "metrale", port))
-            target = await stack.enter_async_context(OpenAITarget(server.url, name="metrale", timeout_s=3600))
-            peers["metrale"] = Peer("metrale", target, {"metrale serve": server.pid},
-                                    {"transport": "HTTP (metrale serve)", "command": shlex.join(command[1:])})
-        if "llama.cpp" in args.engines:
-            binary = servers.llama_server_binary(args.llama_server)
-            port = servers.free_port()
-            command = servers.llama_server_command(binary, model_path, port, threads=args.threads, parallel=max_streams,
-                                                   ctx_per_slot=max(512, args.prompt_len + args.output_len + 16),
-                                                   extra=shlex.split(args.llama_args))
-            server = stack.enter_context(servers.ServerProcess(command, "llama.cpp", port))
-            target = await stack.enter_async_context(OpenAITarget(server.url, name="llama.cpp", timeout_s=3600))
-            peers["llama.cpp"] = Peer("llama.cpp", target, {"llama-server": server.pid}, {
-                "transport": "HTTP (llama-server)", "command": shlex.join(command),
-                "version": servers.llama_server_version(binary), "cpu_backend": servers.loaded_cpu_backend(server.pid)})
+        if "metrale" in args.engines:
+            peers.append(await open_metrale(stack, args, model_path))
+        if binary is not None:
+            peers.append(await open_llama_cpp(stack, args, model_path, binary))
         if "mlx-lm" in args.engines:
-            factory = functools.partial(mlx_lm_model, loaded.config, loaded.model)
-            target = await stack.enter_async_context(MlxLmTarget(factory, completion_batch_size=max(32, max_streams)))
-            peers["mlx-lm"] = Peer("mlx-lm", target, info={
-                "transport": "in process (BatchGenerator on its own thread)", "weights": str(loaded.dtype)})
-        for peer in peers.values():
+            peers.append(await open_mlx_lm(stack, args, loaded))
+        for peer in peers:
             log(f"{peer.name}: {peer.info}")
-        yield [peers[name] for name in ENGINES if name in peers], loaded.config.vocab_size
+        yield peers, loaded.config.vocab_size
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -140,3 +140,18 @@ def test_arguments_and_plan_checks(compare_peers):
     assert defaults.out_dir == "benchmarks/results" and not defaults.metrale_in_process
     with pytest.raises(ValueError, match="streams >= 1"):
         compare_peers.Plan(streams=(0,), rounds=1, prompt_len=1, output_len=1, vocab_size=10)
+
+
+@pytest.mark.real_model
+@pytest.mark.timeout(180)  # two model loads and a 1 GiB KV pool: ~15 s on a quiet machine
+def test_main_end_to_end_with_metrale_in_process_and_mlx_lm(compare_peers, tmp_path):
+    """The real open_peers/run/save path on the default model, 2 short requests (no llama.cpp)."""
+    code = compare_peers.main(["--engines", "metrale", "mlx-lm", "--metrale-in-process", "--streams", "2",
+                               "--rounds", "1", "--prompt-len", "8", "--output-len", "4", "--out-dir", str(tmp_path),
+                               "--name", "e2e"])
+    assert code == 0
+    document = json.loads((tmp_path / "e2e.json").read_text())
+    assert [(r["engine"], r["streams"], r["total_output_tokens"], r["total_input_tokens"]) for r in document["runs"]] \
+        == [("metrale", 2, 8, 16), ("mlx-lm", 2, 8, 16)]
+    assert document["engines"]["metrale"]["transport"] == "in process (AsyncEngine)"
+    assert set(document["summary"]["levels"][0]["ratios"]) == {"mlx-lm"}
