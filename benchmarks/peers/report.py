@@ -131,7 +131,7 @@ def conditions(document: Mapping[str, Any]) -> str:
         f"{args['prompt_len']} random prompt tokens, {args['output_len']} output tokens, greedy, ignore_eos, "
         f"all requests at t=0; median of {args['rounds']} round(s), engines alternating (one at a time). {how}.",
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs; 1-min load average {s['load_average_1m'][0]:.2f}-"
-        f"{s['load_average_1m'][1]:.2f} over the runs; other processes used at most "
+        f"{s['load_average_1m'][1]:.2f} before/after the runs (the engine under test counts in it); other processes used at most "
         f"{s['max_other_cpu_during_run']:.0%} of the machine during a run (steal at most "
         f"{s['max_steal_during_run']:.0%}; {s['disturbed_runs_repeated']} disturbed runs were repeated); "
         f"every run started quiet: {s['all_runs_started_quiet']}; "
