@@ -1,22 +1,37 @@
 """Where one decode step's time goes, measured in one run (so ratios hold on a noisy machine).
 
-    .venv/bin/python benchmarks/step_profile.py --batch 32 --context 256
+    .venv/bin/python benchmarks/step_profile.py --batch 1 --context 256            # default: quantized kernels
+    .venv/bin/python benchmarks/step_profile.py --batch 32 --context 256 --dtype float32
 
-Times, for the default model: the full runner step at `--batch` decodes of `--context` tokens,
-the model's weight matmuls alone for the same tokens (the matmul-only bound), and attention alone.
+Times, for the default model, `--batch` decodes of `--context` tokens each (best of --repeat):
+  step_ms        the full runner step (ModelRunner.execute)
+  host_ms        the runner's host work before the model: step metadata and the token array
+  graph_ms       building the step's lazy graph: the model's Python forward and compute_logits
+  eval_ms        mx.eval of the logits and the K/V writes (MLX dispatch + every kernel)
+  sample_ms      sampler.prepare + sampler.sample (greedy: argmax and one .tolist())
+  matmul_ms      the model's weight matmuls alone for the same rows (the kernels' modules, or the
+                 float32 weights), as one evaluation: the matmul-only bound
+  attention_ms   paged attention alone for all layers
+  graph_nodes    arrays in the evaluated graph (mx.export_to_dot), a proxy for MLX's per-op cost
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import tempfile
 import time
 
 import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
-from kernels.backend import attention_backend
+from kernels import ext  # noqa: E402
+from kernels.backend import attention_backend, select_backends  # noqa: E402
+from kernels.qmm import QuantizedEmbeddingCPU, QuantizedLinearCPU  # noqa: E402
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
 from metrale.config import EngineConfig  # noqa: E402
 from metrale.engine.runner import ModelRunner, SamplingRow, StepInput  # noqa: E402
@@ -47,25 +62,63 @@ def decode_step(runner: ModelRunner, batch: int, context: int) -> StepInput:
     return StepInput(out, rows)
 
 
-def matmul_bound(runner: ModelRunner, batch: int) -> float:
+def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, float]:
+    """The runner's step split in host / graph / eval / sample (mirrors ModelRunner.execute)."""
+    best: dict[str, float] = {}
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        scheduled = step.scheduler_output.scheduled
+        metadata = AttentionMetadata.build([len(s.token_ids) for s in scheduled],
+                                           [s.start_position + len(s.token_ids) for s in scheduled],
+                                           [s.block_table for s in scheduled], runner.kv_cache.block_size)
+        token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)
+        t1 = time.perf_counter()
+        hidden = runner.model(token_ids, metadata.positions, runner.kv_cache, metadata)
+        logits = runner.model.compute_logits(hidden[mx.array(list(range(len(scheduled))), dtype=mx.int32)])
+        t2 = time.perf_counter()
+        mx.eval(logits, runner._pools())
+        t3 = time.perf_counter()
+        runner.sampler.sample(logits, runner.sampler.prepare(step.sampling_rows))
+        t4 = time.perf_counter()
+        for name, value in (("host_ms", t1 - t0), ("graph_ms", t2 - t1), ("eval_ms", t3 - t2), ("sample_ms", t4 - t3)):
+            best[name] = min(best.get(name, 1e9), value * 1e3)
+    return best
+
+
+def graph_nodes(runner: ModelRunner, step: StepInput) -> int:
+    scheduled = step.scheduler_output.scheduled
+    metadata = AttentionMetadata.build([1] * len(scheduled), [s.start_position + 1 for s in scheduled],
+                                       [s.block_table for s in scheduled], runner.kv_cache.block_size)
+    token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)
+    logits = runner.model.compute_logits(runner.model(token_ids, metadata.positions, runner.kv_cache, metadata))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(path, logits, *runner._pools())
+        text = open(path).read()
+    mx.eval(logits, runner._pools())
+    return len(re.findall(r"^\s*\{?\s*\S+ \[label", text, flags=re.M))
+
+
+def matmul_bound(runner: ModelRunner, batch: int, repeats: int) -> float:
     """Every weight matmul of one forward (all layers + lm_head) on `batch` token rows."""
-    weights = [w for _, w in _linear_weights(runner.model)]
+    modules = [m for _, m in runner.model.named_modules() if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU))]
+    if modules:
+        xs = {}
+        calls = []
+        for m in modules:
+            k = m.in_features if isinstance(m, QuantizedLinearCPU) else m.dims
+            xs.setdefault(k, mx.random.normal((batch, k)))
+            calls.append((m.as_linear if isinstance(m, QuantizedEmbeddingCPU) else m, k))
+        mx.eval(list(xs.values()))
+        return best_of(lambda: mx.eval([fn(xs[k]) for fn, k in calls]), repeats)
+    weights = [w for name, w in tree_flatten(runner.model.parameters())
+               if w.ndim == 2 and ("proj" in name or "embed_tokens" in name or "lm_head" in name)]
     x = {w.shape[1]: mx.random.normal((batch, w.shape[1])) for w in weights}
     mx.eval(list(x.values()))
-
-    def run():
-        mx.eval([x[w.shape[1]] @ w.T for w in weights])
-    return best_of(run, 5)
+    return best_of(lambda: mx.eval([x[w.shape[1]] @ w.T for w in weights]), repeats)
 
 
-def _linear_weights(model):
-    from mlx.utils import tree_flatten
-    for name, w in tree_flatten(model.parameters()):
-        if w.ndim == 2 and ("proj" in name or "embed_tokens" in name or "lm_head" in name):
-            yield name, w
-
-
-def attention_only(runner: ModelRunner, batch: int, context: int) -> float:
+def attention_only(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
     mc = runner.model_config
     bs = runner.kv_cache.block_size
     blocks = -(-(context + 1) // bs)
@@ -76,22 +129,29 @@ def attention_only(runner: ModelRunner, batch: int, context: int) -> float:
 
     def run():
         mx.eval([paged_attention(q, k, v, md, mc.head_dim ** -0.5) for _ in range(mc.num_hidden_layers)])
-    return best_of(run, 5)
+    return best_of(run, repeats)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--dtype", default="auto", help="EngineConfig.dtype: auto (quantized kernels) or float32")
+    parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
-    runner = ModelRunner.load(EngineConfig(kv_cache_bytes=512 << 20))
+    runner = ModelRunner.load(EngineConfig(kv_cache_bytes=512 << 20, dtype=args.dtype))
     step = decode_step(runner, args.batch, args.context)
-    full = best_of(lambda: runner.execute(step), 5)
-    bound = matmul_bound(runner, args.batch)
-    attn = attention_only(runner, args.batch, args.context)
-    result = {"batch": args.batch, "context": args.context, "attention_backend": attention_backend(),
-              "step_s": round(full, 4), "matmul_bound_s": round(bound, 4), "attention_s": round(attn, 4),
-              "bound_over_step": round(bound / full, 3), "attention_share": round(attn / full, 3)}
+    full = best_of(lambda: runner.execute(step), args.repeat)
+    parts = phases(runner, step, args.repeat)
+    bound = matmul_bound(runner, args.batch, args.repeat)
+    attn = attention_only(runner, args.batch, args.context, args.repeat)
+    result = {"batch": args.batch, "context": args.context, "dtype": args.dtype,
+              "backends": select_backends().describe(), "cpu_isa": ext.cpu_isa(),
+              "attention_backend": attention_backend(), "step_ms": round(full * 1e3, 2),
+              **{k: round(v, 2) for k, v in parts.items()},
+              "matmul_ms": round(bound * 1e3, 2), "attention_ms": round(attn * 1e3, 2),
+              "graph_nodes": graph_nodes(runner, step),
+              "matmul_share": round(bound / full, 3), "attention_share": round(attn / full, 3)}
     print(json.dumps(result, indent=2))
 
 

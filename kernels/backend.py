@@ -2,6 +2,10 @@
 
     METRALE_ATTENTION  auto | kernel | reference   paged attention: decode rows and prefill softmax
     METRALE_KERNELS    auto | kernel | reference   gated MLP activations (SwiGLU, GeGLU)
+    METRALE_MATMUL     auto | kernel | reference   linear layers of quantized weights kept quantized:
+                                                   the CPU kernels (kernels/qmm.py) or MLX's quantized_matmul
+    METRALE_CPU_ISA    auto | scalar | avx2 | avx512   the kernels' instruction set (kernels/ext.py)
+    METRALE_QMM_ACTIVATIONS  int16 | int8          the kernels' activation precision (matmul_activation_bits)
 
 "auto" (the default) takes the C++ kernel where it is built and runs (the CPU device), "reference"
 forces the plain-MLX path (every device), "kernel" requires the kernel and raises RuntimeError when
@@ -30,17 +34,24 @@ class Backends:
 
     attention: str
     activations: str
+    matmul: str = "reference"
 
     def describe(self) -> str:
-        """One line for the startup log."""
+        """One line for the startup log: which kernel set runs, or how to build it."""
+        chosen = f"matmul={self.matmul} attention={self.attention} activations={self.activations}"
+        if mx.default_device() != mx.cpu:
+            return f"{chosen} (device {mx.default_device()}: MLX's own kernels)"
         module = ext.load()
-        where = f"kernels from {module.__file__}" if module is not None else "no compiled kernels"
-        return f"attention={self.attention} activations={self.activations} ({where})"
+        if module is None:
+            return (f"{chosen}: CPU kernels not built (quantized weights run as float32, about 5x slower at "
+                    "one stream); build them: python -m kernels.build")
+        return f"{chosen}: CPU kernels {ext.cpu_isa() or 'unknown'} (of {', '.join(ext.supported_isas())}) from {module.__file__}"
 
 
 def select_backends() -> Backends:
-    """Read METRALE_ATTENTION and METRALE_KERNELS once (ValueError / RuntimeError as described above)."""
-    return Backends(attention=attention_backend(), activations=activation_backend())
+    """Read METRALE_ATTENTION, METRALE_KERNELS and METRALE_MATMUL once (ValueError / RuntimeError as
+    described above)."""
+    return Backends(attention=attention_backend(), activations=activation_backend(), matmul=matmul_backend())
 
 
 def attention_backend() -> str:
@@ -51,6 +62,24 @@ def attention_backend() -> str:
 def activation_backend() -> str:
     """"kernel" when gated activations go through the C++ extension, else "reference"."""
     return _choose("METRALE_KERNELS", ext.has_activation_kernels, "the activation kernels")
+
+
+def matmul_backend() -> str:
+    """"kernel" when quantized linear layers go through the CPU kernels, else "reference" (MLX's
+    quantized_matmul: fast on a GPU, a slow reference on CPU, where the loader dequantizes instead)."""
+    return _choose("METRALE_MATMUL", ext.has_qmm_kernels, "the quantized matmul kernels")
+
+
+def matmul_activation_bits() -> int:
+    """16 or 8: how finely the quantized matmul kernels round activations (per 32 values).
+
+    int8 is llama.cpp's Q8 (the fastest); int16 (the default, METRALE_QMM_ACTIVATIONS) runs two int8
+    passes and keeps the model's logits within float32 noise of the dequantized model's (int8's
+    error flips some greedy tokens: docs/quantized-kernels.md)."""
+    choice = os.environ.get("METRALE_QMM_ACTIVATIONS", "int16").lower()
+    if choice not in ("int16", "int8"):
+        raise ValueError(f"METRALE_QMM_ACTIVATIONS={choice!r}: expected int16 or int8")
+    return 16 if choice == "int16" else 8
 
 
 def _choose(variable: str, built: Callable[[], bool], what: str) -> str:

@@ -1,11 +1,13 @@
-"""Build the CPU kernels (paged decode, causal softmax, gated activations): `python -m kernels.build [--force]`.
+"""Build the CPU kernels (quantized matmul, paged decode, causal softmax, gated activations):
+`python -m kernels.build [--force]`.
 
 Needs cmake (>= 3.18), a C++20 compiler and nanobind from PyPI (`pip install nanobind`). Writes
 kernels/_kernels*.so (ignored by git) through kernels/build/ (sources in kernels/csrc/), then checks
 in a fresh interpreter that kernels.ext.load() accepts it. Exit status 0 on success, 1 with the reason
-otherwise; the engine works without the kernels (reference attention and activations), so setup may
-ignore a failure.
-Set METRALE_NATIVE=0 to build without -march=native (a binary meant for other CPUs).
+otherwise; the engine works without the kernels (float32 BLAS matmuls, reference attention and
+activations), so setup may ignore a failure.
+The binary is portable: the kernels are compiled once per instruction set (x86-64: scalar, AVX2,
+AVX-512 VNNI) and chosen at run time (kernels/csrc/isa.cpp), never with -march=native.
 """
 
 from __future__ import annotations
@@ -65,12 +67,10 @@ def build(force: bool = False) -> Path:
         import nanobind
     except ModuleNotFoundError as exc:
         raise RuntimeError("nanobind not installed: pip install nanobind") from exc
-    native = "OFF" if os.environ.get("METRALE_NATIVE", "1") == "0" else "ON"
     configure = [
         "cmake", "-S", str(SOURCES), "-B", str(BUILD_DIR), "-DCMAKE_BUILD_TYPE=Release",
         f"-DPython_EXECUTABLE={sys.executable}", f"-DMLX_DIR={mlx_cmake_dir()}",
         f"-Dnanobind_DIR={nanobind.cmake_dir()}", f"-DMETRALE_OUTPUT_DIR={HERE}",
-        f"-DMETRALE_NATIVE={native}",
     ]
     jobs = str(max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)))
     for cmd in (configure, ["cmake", "--build", str(BUILD_DIR), "-j", jobs]):
@@ -96,7 +96,7 @@ def check_loads() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build metrale's CPU attention and activation kernels (optional).")
+    parser = argparse.ArgumentParser(description="Build metrale's CPU kernels (optional).")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         so = build(force=args.force)
         check_loads()
     except RuntimeError as exc:
-        print(f"[kernels] kernel not built, reference attention and activations will be used: {exc}",
+        print(f"[kernels] not built; float32 matmuls and the reference attention and activations will be used: {exc}",
               file=sys.stderr)
         return 1
     print(f"[kernels] ready: {so.relative_to(HERE.parent)} ({time.perf_counter() - start:.1f} s)")

@@ -1,5 +1,9 @@
-"""The compiled CPU kernels (an MLX extension): paged decode attention, causal softmax and fused
-gated activations (SwiGLU / GeGLU); without them the plain-MLX reference runs.
+"""The compiled CPU kernels (an MLX extension): quantized matmul, paged decode attention, causal
+softmax and fused gated activations (SwiGLU / GeGLU); without them the plain-MLX reference runs.
+
+The kernels are compiled once per instruction set (scalar, avx2, avx512 on x86-64) and the best one
+this CPU runs is chosen when the module loads; METRALE_CPU_ISA=scalar|avx2|avx512 asks for another
+(a set the CPU lacks fails the load, with the reason). `cpu_isa()` says which one runs.
 
 Build with `python -m kernels.build` (it writes kernels/_kernels*.so, ignored by git). `load()`
 returns the compiled module, or None when it is not built, fails to load, or was built against
@@ -15,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 MODULE = "kernels._kernels"
 _ACTIVATION_OPS = ("silu_mul", "gelu_tanh_mul")
+_QMM_OPS = ("quantized_matmul", "quantized_rows", "cpu_isa")
 _state: dict[str, object] = {}
 
 
@@ -74,10 +79,44 @@ def has_activation_kernels() -> bool:
     return bool(_state["activations"])
 
 
-def _module():
+def has_qmm_kernels() -> bool:
+    """True when the loaded extension has the quantized matmul kernels (an older build is reported
+    once: rebuild with python -m kernels.build)."""
     module = load()
     if module is None:
-        raise RuntimeError("CPU kernels are not available: check kernels.ext.load() first")
+        return False
+    if "qmm" not in _state:
+        _state["qmm"] = all(hasattr(module, name) for name in _QMM_OPS)
+        if not _state["qmm"]:
+            logger.warning("kernels/_kernels was built before the quantized matmul kernels; quantized weights "
+                           "are dequantized to float32. Rebuild: python -m kernels.build")
+    return bool(_state["qmm"])
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the loaded kernels run with ("scalar", "avx2", "avx512"), None without them."""
+    module = load()
+    return module.cpu_isa() if module is not None and hasattr(module, "cpu_isa") else None
+
+
+def supported_isas() -> list[str]:
+    """The kernel sets this build has and this CPU runs, best last; [] without the extension."""
+    module = load()
+    return list(module.supported_isas()) if module is not None and hasattr(module, "supported_isas") else []
+
+
+def set_cpu_isa(name: str) -> None:
+    """Run the kernels of instruction set `name` ("auto" = the best); ValueError if this CPU or build
+    lacks it. For tests and benchmarks, between evaluations."""
+    _module().set_cpu_isa(name)
+
+
+def _module():
+    module = _state.get("module")  # load()'s decision, once made (per-call path of every kernel op)
+    if module is None:
+        module = load()
+        if module is None:
+            raise RuntimeError("CPU kernels are not available: check kernels.ext.load() first")
     return module
 
 
@@ -111,3 +150,17 @@ def silu_mul(gate, up):
 def gelu_tanh_mul(gate, up):
     """gelu_pytorch_tanh(gate) * up = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * up, as silu_mul."""
     return _module().gelu_tanh_mul(gate, up)
+
+
+def quantized_matmul(x, q, scales, biases, *, bits, group_size, columns, glu=-1, activation_bits=16):
+    """x (..., K) float32 times a packed affine weight (kernels/qmm.py): a list with one float32
+    (..., columns[j]) per output j; glu 0 (silu) / 1 (gelu_tanh) fuses act(gate) * up; x is
+    quantized per 32 values to int8 or int16 (activation_bits 8 | 16). Needs load()."""
+    return _module().quantized_matmul(x, q, scales, biases, bits=bits, group_size=group_size, columns=columns,
+                                      glu=glu, activation_bits=activation_bits)
+
+
+def quantized_rows(q, scales, biases, ids, *, bits, group_size, rows):
+    """Rows `ids` of a packed weight of `rows` rows, dequantized: (*ids.shape, K) float32. Needs load()."""
+    return _module().quantized_rows(q, scales, biases, ids, bits=int(bits), group_size=int(group_size),
+                                    rows=int(rows))

@@ -311,7 +311,7 @@ def paged_attention(
         )
 
     head_dim = queries.shape[2]
-    backend = md.backend or attention_backend()
+    backend = md.backend or md.cached(("backend",), attention_backend)  # METRALE_ATTENTION, read once per step
     use_kernel = backend == "kernel" and head_dim % 8 == 0 and head_dim <= 256
     decode_out = None
     if md.num_decode:

@@ -11,12 +11,18 @@ pool: the scatter donates its input buffer to its output when nothing else holds
 so the write costs O(T) and the footprint stays fixed. Measured on this CPU (mlx 0.32, a 96 MiB
 pool, 32 new tokens): ~0.05 ms per write and 0 bytes of new memory, against 78 ms and a second
 96 MiB pool when another array still references the old pool at eval time (for instance an
-unevaluated op of an earlier step that reads it). `write` updates the pool objects in place, so
-holding the arrays returned by `write`/`layer` is harmless; evaluate each step before the next.
+unevaluated op of an earlier step that reads it). Evaluate each step before the next, and read
+the pools through `layer()` / what `write` returns in the same step.
+With the CPU kernels (METRALE_ATTENTION, decided at construction) each pool is written by one node
+(kernels' kv_write, the same donation rule) instead of MLX's three indexing nodes; the cache then
+holds a new pool object per write (MLX's assignment updates the object itself), so an array kept
+from an earlier `layer()` call keeps the old contents and makes that write copy the pool.
 """
 
 from __future__ import annotations
 
+from kernels import ext
+from kernels.backend import attention_backend
 from kernels.runtime import mx
 
 __all__ = ["PagedKVCache"]
@@ -58,6 +64,7 @@ class PagedKVCache:
         self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self._values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self._keys, self._values)  # allocate now: the footprint is fixed from the start
+        self._kernel = attention_backend() == "kernel" and hasattr(ext.load(), "kv_write")
 
     @staticmethod
     def bytes_per_block(
@@ -120,10 +127,16 @@ class PagedKVCache:
             )
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
-        # __setitem__ rebinds the list's array to the scatter's output; the old array is then held
-        # only by the graph, so the scatter reuses its buffer (no pool copy, see module docstring).
-        self._keys[layer][slot_mapping] = keys.astype(self.dtype)  # (num_slots, n_kv_heads, head_dim)
-        self._values[layer][slot_mapping] = values.astype(self.dtype)  # (num_slots, n_kv_heads, head_dim)
+        # Rebinding the list's arrays to the write's outputs leaves the old pools held only by the
+        # graph, so the write reuses their buffers (no pool copy, see module docstring).
+        keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        if self._kernel and slot_mapping.dtype == mx.int32:
+            module = ext.load()
+            self._keys[layer] = module.kv_write(self._keys[layer], keys, slot_mapping)
+            self._values[layer] = module.kv_write(self._values[layer], values, slot_mapping)
+        else:
+            self._keys[layer][slot_mapping] = keys  # (num_slots, n_kv_heads, head_dim)
+            self._values[layer][slot_mapping] = values  # (num_slots, n_kv_heads, head_dim)
         return self._keys[layer], self._values[layer]
 
     def copy_blocks(self, copies: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:

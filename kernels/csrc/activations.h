@@ -4,14 +4,13 @@
 // MLX's CPU exp/tanh are scalar on x86 Linux (~10-20 ns per element); these are vectorized.
 #pragma once
 
+#include "kernel_table.h"
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
 namespace metrale {
 
 namespace mx = mlx::core;
-
-enum class GatedKind { silu, gelu_tanh };
 
 // gate, up: the same shape and dtype (float32, float16 or bfloat16; half types are computed in
 // float32 and rounded once). Any shape; non-contiguous inputs are copied first. Returns that shape

@@ -1,11 +1,17 @@
-// Python bindings of the CPU attention kernels. NB_DOMAIN mlx (set in CMakeLists.txt) shares mlx's
+// Python bindings of the CPU kernels. NB_DOMAIN mlx (set in CMakeLists.txt) shares mlx's
 // nanobind type registry, so mx.array arguments convert to mx::array without copies.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "activations.h"
 #include "causal_softmax.h"
+#include "isa.h"
+#include "kv_write.h"
 #include "mlx/version.h"
+#include "norm_rope.h"
 #include "paged_decode.h"
+#include "qmm.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -14,7 +20,8 @@ using namespace nb::literals;
 #define METRALE_STR(x) METRALE_STR2(x)
 
 NB_MODULE(_kernels, m) {
-  m.doc() = "CPU attention and activation kernels for MLX (metrale kvcache extension)";
+  m.doc() = "CPU kernels for MLX: paged attention, gated activations, quantized matmul (metrale)";
+  metrale::cpu_kernels();  // decides the kernel set now: a bad METRALE_CPU_ISA fails the import, with the reason
   // The mlx version these headers declare; the loader refuses to use a build for another version.
   m.attr("mlx_version") =
       METRALE_STR(MLX_VERSION_MAJOR) "." METRALE_STR(MLX_VERSION_MINOR) "." METRALE_STR(MLX_VERSION_PATCH);
@@ -34,4 +41,29 @@ NB_MODULE(_kernels, m) {
   m.def("gelu_tanh_mul", &metrale::gelu_tanh_mul, "gate"_a, "up"_a,
         "gelu_pytorch_tanh(gate) * up on the CPU stream (GeGLU), fused and vectorized:\n"
         "0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3))) * up. Same contract as silu_mul.");
+  m.def("cpu_isa", [] { return std::string(metrale::cpu_kernels().isa); },
+        "The instruction set of the kernels in use: scalar, avx2 or avx512.");
+  m.def("supported_isas", &metrale::supported_isas,
+        "The kernel sets this build has and this CPU runs, best last.");
+  m.def("set_cpu_isa", &metrale::set_cpu_isa, "name"_a,
+        "Use the kernel set `name` (one of supported_isas(), or 'auto'); ValueError otherwise.\n"
+        "For tests and benchmarks: call it while no kernel runs.");
+  m.def("quantized_matmul", &metrale::quantized_matmul, "x"_a, "q"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16,
+        "x (..., K) float32 times packed affine weights (kernels/qmm.py), on the CPU stream.\n\n"
+        "Returns one float32 (..., columns[j]) array per output j; with glu 0 (silu) or 1 (gelu_tanh)\n"
+        "one output act(x Wg^T) * (x Wu^T) from (gate, up) panel pairs. activation_bits: 8 (int8\n"
+        "activations per 32 values, as llama.cpp) or 16 (int16, as two int8 halves).");
+  m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
+        "bits"_a, "group_size"_a, "rows"_a,
+        "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");
+  m.def("rms_norm", &metrale::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "weight_offset"_a = 0.0f,
+        "RMSNorm of x (..., D) float32 with weight (D,) float32 (+ weight_offset: 1 for gemma's 1 + w),\n"
+        "one node on the CPU stream: (x / sqrt(mean(x^2) + eps)) * (weight + weight_offset).");
+  m.def("rope_qk", &metrale::rope_qk, "q"_a, "k"_a, "cos"_a, "sin"_a, nb::kw_only(), "traditional"_a = false,
+        "RoPE of q (T, Hq, D) and k (T, Hk, D) float32 by per-token cos / sin (T, D / 2), one node on the\n"
+        "CPU stream: [q, k] rotated (half-split pairs, or interleaved ones when traditional).");
+  m.def("kv_write", &metrale::kv_write, "pool"_a, "rows"_a, "slots"_a,
+        "The pool (S, H, D) with rows (T, H, D) written at slots (T,) int32, one node on the CPU stream;\n"
+        "in place when nothing else holds the old pool.");
 }

@@ -5,8 +5,9 @@
 // the ranges first and raises.
 #include "paged_decode.h"
 
-#include "kernel.h"
+#include "isa.h"
 #include "parallel.h"
+#include "row_major.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,32 +28,13 @@ namespace {
 
 constexpr int64_t kMinParallelWork = 1 << 14;  // keys x heads below which threads cost more than they save
 
-using kernel::Dims;
-
-template <typename T, int R>
-void run_group(const Dims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
-               float* out, float* scratch, int g) {
-  kernel::decode_task<T, R>(dm, q, kp, vp, table, ctx, out, scratch, g);
+Dtype kernel_dtype(mx::Dtype dtype) {
+  return dtype == mx::float32 ? Dtype::float32 : dtype == mx::float16 ? Dtype::float16 : Dtype::bfloat16;
 }
 
-// The rep query heads of one kv head, in sub-groups of at most 8 (each a compile-time width).
-template <typename T>
-void run_task(const Dims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
-              float* out, float* scratch, int g) {
-  using Fn = void (*)(const Dims&, const float*, const T*, const T*, const int32_t*, int, float*, float*, int);
-  static constexpr Fn by_width[] = {run_group<T, 1>, run_group<T, 2>, run_group<T, 3>, run_group<T, 4>,
-                                    run_group<T, 5>, run_group<T, 6>, run_group<T, 7>, run_group<T, 8>};
-  const int rep = dm.n_heads / dm.n_kv;
-  for (int r0 = 0; r0 < rep; r0 += 8) {
-    const int width = std::min(8, rep - r0);
-    const int64_t offset = static_cast<int64_t>(r0) * dm.head_dim;
-    by_width[width - 1](dm, q + offset, kp, vp, table, ctx, out + offset, scratch, g);
-  }
-}
-
-template <typename T>
-void run_decode(const Dims dm, const float* q, const T* kp, const T* vp, const int32_t* tables,
-                const int32_t* ctx_lens, float* out) {
+void run_decode(const DecodeDims dm, Dtype dtype, const float* q, const void* kp, const void* vp,
+                const int32_t* tables, const int32_t* ctx_lens, float* out) {
+  const auto& kernels = cpu_kernels();
   const int rep = dm.n_heads / dm.n_kv, n_tasks = dm.batch * dm.n_kv;
   int64_t work = 0;
   int max_keys = 0;
@@ -64,13 +46,13 @@ void run_decode(const Dims dm, const float* q, const T* kp, const T* vp, const i
     work += static_cast<int64_t>(std::max(keys, 0)) * dm.n_heads;
   }
   const int width = work < kMinParallelWork ? 1 : std::min(num_threads(), n_tasks);
-  const int64_t per_thread = kernel::scratch_floats(max_keys);
+  const int64_t per_thread = static_cast<int64_t>(kDecodeScratchRows) * std::max(max_keys, 1);
   std::vector<float> scratch(per_thread * width);  // allocated here, so the tasks never allocate
   parallel_for(n_tasks, width, [&](int task, int me) {
     const int b = task / dm.n_kv, g = task % dm.n_kv;
     const int64_t offset = (static_cast<int64_t>(b) * dm.n_heads + g * rep) * dm.head_dim;
-    run_task<T>(dm, q + offset, kp, vp, tables + static_cast<int64_t>(b) * dm.max_blocks, ctx_lens[b],
-                out + offset, scratch.data() + me * per_thread, g);
+    kernels.decode_task(dm, dtype, q + offset, kp, vp, tables + static_cast<int64_t>(b) * dm.max_blocks,
+                        ctx_lens[b], out + offset, scratch.data() + me * per_thread, g);
   });
 }
 
@@ -100,17 +82,17 @@ mx::array paged_decode(const mx::array& queries, const mx::array& k_pool, const 
     fail("context_lens must be (B=" + std::to_string(B) + ",), got " + shape_str(context_lens));
   if (block_size < 1 || k_pool.shape(0) % block_size != 0)
     fail("block_size " + std::to_string(block_size) + " must be >= 1 and divide num_slots " + std::to_string(k_pool.shape(0)));
-  if (D % kernel::kW != 0 || D > kernel::kMaxHeadDim)
+  if (D % 8 != 0 || D > kMaxHeadDim)
     fail("head_dim " + std::to_string(D) + " must be a multiple of 8 and at most 256");
   if (window < 0) fail("window must be >= 0 (0: no window), got " + std::to_string(window));
 
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::astype(queries, mx::float32, s), false, s),
-      mx::contiguous(k_pool, false, s),
-      mx::contiguous(v_pool, false, s),
-      mx::contiguous(mx::astype(block_tables, mx::int32, s), false, s),
-      mx::contiguous(mx::astype(context_lens, mx::int32, s), false, s),
+      mx::astype(queries, mx::float32, s),
+      k_pool,
+      v_pool,
+      mx::astype(block_tables, mx::int32, s),
+      mx::astype(context_lens, mx::int32, s),
   };
   return mx::array(queries.shape(), mx::float32, std::make_shared<PagedDecode>(s, scale, block_size, window),
                    std::move(inputs));
@@ -127,29 +109,15 @@ void PagedDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
 
-  const Dims dm{q.shape(0), q.shape(1), kp.shape(1), q.shape(2), tables.shape(1), block_size_, window_,
-                kp.shape(0) / block_size_, scale_};
-  const float* qp = q.data<float>();
-  const int32_t* tp = tables.data<int32_t>();
-  const int32_t* cp = ctx.data<int32_t>();
-  float* op = out.data<float>();
-  switch (kp.dtype()) {
-    case mx::float32:
-      encoder.dispatch([=, k = kp.data<float>(), v = vp.data<float>()] { run_decode<float>(dm, qp, k, v, tp, cp, op); });
-      break;
-    case mx::float16:
-      encoder.dispatch([=, k = kp.data<mx::float16_t>(), v = vp.data<mx::float16_t>()] {
-        run_decode<mx::float16_t>(dm, qp, k, v, tp, cp, op);
-      });
-      break;
-    case mx::bfloat16:
-      encoder.dispatch([=, k = kp.data<mx::bfloat16_t>(), v = vp.data<mx::bfloat16_t>()] {
-        run_decode<mx::bfloat16_t>(dm, qp, k, v, tp, cp, op);
-      });
-      break;
-    default:
-      throw std::invalid_argument("paged_decode: unsupported pool dtype");
-  }
+  if (kp.dtype() != mx::float32 && kp.dtype() != mx::float16 && kp.dtype() != mx::bfloat16)
+    throw std::invalid_argument("paged_decode: unsupported pool dtype");
+  const DecodeDims dm{q.shape(0), q.shape(1), kp.shape(1), q.shape(2), tables.shape(1), block_size_, window_,
+                      kp.shape(0) / block_size_, scale_};
+  const RowMajor qin(q, encoder), kin(kp, encoder), vin(vp, encoder), tin(tables, encoder), cin(ctx, encoder);
+  encoder.dispatch([=, op = out.data<float>(), dtype = kernel_dtype(kp.dtype())] {
+    run_decode(dm, dtype, qin.data<float>(), kin.data<void>(), vin.data<void>(), tin.data<int32_t>(),
+               cin.data<int32_t>(), op);
+  });
 }
 
 void PagedDecode::eval_gpu(const std::vector<mx::array>&, mx::array&) {

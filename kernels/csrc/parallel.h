@@ -1,17 +1,28 @@
-// A tiny fork-join helper over a persistent pool (mlx/threadpool.h) for the CPU kernels.
+// A tiny fork-join helper over a persistent pool of workers for the CPU kernels.
+//
+// A one-token decode step calls a kernel every ~20-100 us, and a worker asleep on a condition
+// variable wakes 50-100 us late on the 2-core dev VM: it would miss most calls. So a worker that
+// finishes a job spins (pausing, yielding to other threads) for METRALE_SPIN_US microseconds
+// (default 200) waiting for the next one before it sleeps. METRALE_SPIN_US=0 never spins.
 #pragma once
 
 #if defined(__linux__)
 #include <sched.h>
 #endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
-
-#include "mlx/threadpool.h"
+#include <vector>
 
 namespace metrale {
 
@@ -31,40 +42,114 @@ inline int num_threads() {
   return n;
 }
 
-inline ThreadPool& worker_pool() {
-  // Leaked on purpose: joining threads from a static destructor at interpreter exit is fragile.
-  static ThreadPool* pool = new ThreadPool(std::max(0, num_threads() - 1));
+namespace detail {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// One parallel_for call: tasks are taken from `next` by the caller and any worker that joins.
+struct Job {
+  std::atomic<int> next{0}, done{0}, participants{0};
+  int n_tasks = 0;
+  int max_participants = 1;
+  std::function<void(int, int)> f;  // (task, participant)
+
+  // Runs tasks until none is left; f is only called while the caller still waits (done < n_tasks).
+  void run() {
+    const int me = participants.fetch_add(1);
+    if (me >= max_participants) return;  // more helpers than the caller asked for
+    for (int i = next.fetch_add(1); i < n_tasks; i = next.fetch_add(1)) {
+      f(i, me);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+class Pool {
+ public:
+  explicit Pool(int workers) : spin_(spin_budget()) {
+    for (int i = 0; i < workers; ++i) std::thread([this] { loop(); }).detach();
+  }
+
+  // Offers `job` to the workers; returns at once (the caller runs tasks too).
+  void publish(std::shared_ptr<Job> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = std::move(job);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+  }
+
+ private:
+  static std::chrono::microseconds spin_budget() {
+    const char* env = std::getenv("METRALE_SPIN_US");
+    return std::chrono::microseconds(env != nullptr ? std::max(0, std::atoi(env)) : 200);
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start > spin_) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          sleepers_.fetch_add(1, std::memory_order_acq_rel);
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+          break;
+        }
+        if ((spins & 15) == 15) std::this_thread::yield();  // a busy machine: let others run
+        cpu_relax();
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        seen = generation_.load(std::memory_order_acquire);
+        job = job_;
+      }
+      if (job) job->run();
+    }
+  }
+
+  const std::chrono::microseconds spin_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleepers_{0};
+  std::shared_ptr<Job> job_;
+};
+
+inline Pool& worker_pool() {
+  // Leaked on purpose, with detached workers: joining threads from a static destructor at interpreter
+  // exit is fragile.
+  static Pool* pool = new Pool(std::max(0, num_threads() - 1));
   return *pool;
 }
 
+}  // namespace detail
+
 // Runs f(task, participant) for task in [0, n_tasks) on the caller plus up to `width - 1` pool
 // workers, participant in [0, width) naming per-thread scratch. f must not throw. The caller
-// returns once every task is done, without waiting for a worker that woke too late to take one
-// (on a busy machine a worker may be scheduled long after the work is over).
+// returns once every task is done, without waiting for a worker that woke too late to take one.
 template <typename F>
 void parallel_for(int n_tasks, int width, const F& f) {
   if (width <= 1 || n_tasks <= 1) {
     for (int i = 0; i < n_tasks; ++i) f(i, 0);
     return;
   }
-  struct Job {
-    std::atomic<int> next{0}, done{0}, participants{0};
-    int n_tasks;
-    const F* f;
-  };
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<detail::Job>();
   job->n_tasks = n_tasks;
-  job->f = &f;
-  auto run = [job] {
-    const int me = job->participants.fetch_add(1);
-    for (int i = job->next.fetch_add(1); i < job->n_tasks; i = job->next.fetch_add(1)) {
-      (*job->f)(i, me);  // only reached while the caller is still waiting: f is alive
-      job->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int k = 1; k < width; ++k) worker_pool().enqueue(run);  // futures dropped: nothing waits on them
-  run();
-  while (job->done.load(std::memory_order_acquire) < n_tasks) std::this_thread::yield();
+  job->max_participants = width;
+  job->f = [&f](int task, int me) { f(task, me); };  // f outlives every call: the caller waits below
+  detail::worker_pool().publish(job);
+  job->run();
+  while (job->done.load(std::memory_order_acquire) < n_tasks) detail::cpu_relax();
 }
 
 }  // namespace metrale

@@ -30,7 +30,7 @@ from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
-from metrale.engine.runner import ModelRunner, resolve_dtype
+from metrale.engine.runner import ModelRunner, weights_dtype
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
                             PromptTooLongError, RequestRejectedError, StructuredOutputUnavailableError)
@@ -101,7 +101,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._mlx = MLXThread()
         try:
-            loaded = await self._mlx.run(load_model, self.config.model, dtype=resolve_dtype(self.config.dtype))
+            loaded = await self._mlx.run(load_model, self.config.model, dtype=weights_dtype(self.config.dtype))
             self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints)
         except BaseException:
             self._mlx.shutdown()

@@ -119,10 +119,18 @@ def check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
-    """"auto" is float32 on CPU (fast with OpenBLAS) and float16 on GPU."""
+    """Activations and KV dtype: "auto" is float32 on CPU and float16 on GPU."""
     if name == "auto":
         return mx.float32 if mx.default_device() == mx.cpu else mx.float16
     return _DTYPES[name]
+
+
+def weights_dtype(name: str) -> mx.Dtype | None:
+    """What `load_model` gets: None ("auto" on CPU) keeps a quantized checkpoint quantized for the
+    CPU kernels; an explicit dtype dequantizes to it."""
+    if name == "auto" and mx.default_device() == mx.cpu:
+        return None
+    return resolve_dtype(name)
 
 
 class ModelRunner:
@@ -153,7 +161,7 @@ class ModelRunner:
         spec = config.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
-            draft = load_model(spec.model, dtype=loaded.dtype)
+            draft = load_model(spec.model, dtype=weights_dtype(config.dtype))
             check_draft_model(loaded, draft)
         per_block = _bytes_per_block(loaded, config.block_size) + (_bytes_per_block(draft, config.block_size) if draft else 0)
         num_blocks = config.kv_cache_bytes // per_block
@@ -162,7 +170,7 @@ class ModelRunner:
         kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
                                 mc.head_dim, loaded.dtype)
         backends = select_backends()
-        logger.info("kernels: %s", backends.describe())
+        logger.info("%s, %s; %s", loaded.path.name, loaded.describe_quantization(), backends.describe())
         drafter = None
         if draft is not None:
             dc = draft.config
@@ -176,7 +184,7 @@ class ModelRunner:
     def load(cls, config: EngineConfig) -> "ModelRunner":
         """Load the model of `config` and build its runner (tests and benchmarks; the engine keeps the
         LoadedModel's tokenizer for its text front-end and calls `from_loaded`)."""
-        return cls.from_loaded(load_model(config.model, dtype=resolve_dtype(config.dtype)), config)
+        return cls.from_loaded(load_model(config.model, dtype=weights_dtype(config.dtype)), config)
 
     def execute(self, step: StepInput) -> StepResult:
         """One forward over every scheduled token (drafts included); samples where a request reaches

@@ -25,9 +25,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and its tokenizer from a GGUF file, a model folder or a hub id (None: the default).
 
-    keep_quantized: None = quantized weights stay quantized on a GPU and are dequantized on CPU.
-    dtype: activations and float weights; None = float32 on CPU, float16 (or the checkpoint's
-    bfloat16) on a GPU. ModelNotFoundError says what was looked for when nothing is found.
+    keep_quantized: None = quantized weights stay quantized on a GPU, and on CPU for dtype None when
+    the CPU kernels are built (metrale.loading.weights.keep_quantized_default); an explicit dtype on
+    CPU dequantizes to it. dtype: activations and float weights; None = float32 on CPU, float16 (or
+    the checkpoint's bfloat16) on a GPU. ModelNotFoundError says what was looked for when nothing is found.
     """
     if model is None:
         return gguf.load_gguf(None, dtype=dtype, keep_quantized=keep_quantized)

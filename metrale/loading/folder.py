@@ -12,12 +12,11 @@ multimodal wrappers' prefixes (`language_model.model.`, `model.language_model.`)
 and their vision towers dropped, bare `layers.` / `embed_tokens.` / `norm.` gain `model.`,
 RoPE buffers (`rotary_emb.inv_freq`) go, and `lm_head` goes when the embeddings are tied.
 
-Quantized folders keep their triples on a GPU and are dequantized to float32 on CPU by default:
-on this project's 2-core CPU (mlx 0.32, SmolLM2-135M's projection shapes, 4-bit group 64), the
-float32 OpenBLAS matmul ran 2-4x faster than MLX's quantized matmul at 1 token and 8-72x at
-8-128 tokens with float32 scales, and 23-745x faster than quantized matmul in bfloat16 (the
-folders' own scale dtype); benchmarks/load_bench.py --quantized-matmul. The price is memory:
-the default model holds 513 MiB of float32 weights instead of 81-110 MiB quantized.
+Quantized folders keep their triples (metrale.loading.weights.keep_quantized_default): on a GPU
+for MLX's quantized kernels, on CPU for metrale's own (kernels/qmm.py; 4 and 8 bits, groups 32, 64,
+128). MLX's CPU quantized_matmul is no alternative there (2-745x slower than float32 BLAS:
+benchmarks/load_bench.py --quantized-matmul), so without the kernels, or with an explicit dtype,
+CPU weights are dequantized.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from typing import Any
 from kernels.runtime import mx
 
 from metrale.loading.default_model import ModelNotFoundError
-from metrale.loading.weights import LoadedModel, build_model
+from metrale.loading.weights import LoadedModel, build_model, keep_quantized_default
 from metrale.models import MODEL_ARCHITECTURES, ModelConfig, supported_architectures
 from metrale.text.tokenizer import Tokenizer
 
@@ -165,7 +164,8 @@ def load_folder(
 ) -> LoadedModel:
     """Load a Hugging Face / MLX model folder with its tokenizer.
 
-    keep_quantized: None = quantized on a GPU, dequantized on CPU (the fast choice on each).
+    keep_quantized: None = metrale.loading.weights.keep_quantized_default (kept on a GPU, and on CPU
+    with dtype None and the CPU kernels built).
     dtype: activations and float weights; None = float32 on CPU, and on a GPU bfloat16 for
     bfloat16 checkpoints, else float16.
     """
@@ -176,7 +176,7 @@ def load_folder(
     hf_config, quantization = read_hf_config(folder)
     config = ModelConfig.from_hf_dict(hf_config)
     on_cpu = mx.default_device() == mx.cpu
-    keep = (not on_cpu) if keep_quantized is None else keep_quantized
+    keep = keep_quantized_default(keep_quantized, dtype)
     if dtype is None:
         stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
         dtype = mx.float32 if on_cpu else (mx.bfloat16 if stored == "bfloat16" else mx.float16)

@@ -11,16 +11,18 @@ h * head_dim / 2 + j of the Hugging Face head (h in {0, 1}). `unpermute_rope_row
 (rows of the packed weight, scales and biases move together: quantization groups run along the
 input axis), so the model always sees the Hugging Face layout with `rope_traditional=False`.
 
-Quantized weights. On CPU they are dequantized to float32 at load time: for this model's layers
-at T=32 tokens, OpenBLAS sgemm ran 25-170x faster than MLX's CPU `quantized_matmul` with float32
-scales (67x over one whole layer), and the float16 scales GGUF stores make quantized_matmul
-another 35-85x slower (mlx 0.32, this project's 2-core Linux CPU). On a GPU they stay quantized
-(`nn.QuantizedLinear` / `nn.QuantizedEmbedding`).
+Quantized weights stay quantized by default (metrale.loading.weights.keep_quantized_default): on a
+GPU for MLX's quantized kernels, on CPU for metrale's (kernels/qmm.py); `dtype=` on CPU dequantizes.
+K-quants (Q4_K, Q6_K, ...) and the other types MLX does not map arrive as float16 tensors; when
+weights are kept they are re-quantized at load to 8-bit affine, group 32 (`requantize_widened`,
+logged): 8 bits hold a 4-6 bit K-quant's values within a fraction of its own step, so the model's
+accuracy stays the checkpoint's while the CPU kernels read 1.1 bytes per weight instead of 4.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -31,14 +33,16 @@ from kernels.runtime import mx
 import numpy as np
 
 from metrale.loading.default_model import ModelNotFoundError, default_model_path
-from metrale.loading.weights import LoadedModel, build_model, dequantize_affine
+from metrale.loading.weights import LoadedModel, build_model, dequantize_affine, keep_quantized_default
 from metrale.models import ModelConfig, RopeScaling
 from metrale.text.tokenizer import Tokenizer
 
 __all__ = [
     "GGUF_ARCHITECTURES", "LoadedModel", "build_model", "config_from_gguf_metadata", "dequantize_affine",
-    "gguf_to_hf_weights", "load_gguf", "permute_rope_rows", "unpermute_rope_rows",
+    "gguf_to_hf_weights", "load_gguf", "permute_rope_rows", "requantize_widened", "unpermute_rope_rows",
 ]
+
+logger = logging.getLogger(__name__)
 
 # general.architecture values this loader maps (llama.cpp writes Mistral 7B and TinyLlama as "llama")
 GGUF_ARCHITECTURES = ("llama",)
@@ -51,6 +55,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
+
+# general.file_type (llama.cpp's llama_ftype): the float ones, and names for the log
+FLOAT_FILE_TYPES = {0: "F32", 1: "F16", 32: "BF16"}
+FILE_TYPE_NAMES = {
+    2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L",
+    14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
+    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
+    30: "IQ4_XS", 31: "IQ1_M", 36: "TQ1_0", 37: "TQ2_0",
+}
+REQUANT_BITS, REQUANT_GROUP = 8, 32
 
 
 def _scalar(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -147,12 +161,41 @@ def gguf_to_hf_weights(weights: Mapping[str, mx.array], config: ModelConfig) -> 
     return out
 
 
+def requantize_widened(weights: dict[str, mx.array], metadata: Mapping[str, Any]) -> int:
+    """In a quantized GGUF (general.file_type not F32/F16/BF16), re-quantize in place every 2-D
+    float16/bfloat16 `.weight` (what mx.load makes of K-quants and other types MLX does not map) to
+    REQUANT_BITS-bit affine triples with group REQUANT_GROUP (float16 scales and biases, as GGUF's own).
+    Returns how many tensors were re-quantized; logs the count and the file type."""
+    file_type = _scalar(metadata, "general.file_type")
+    if file_type is None or int(file_type) in FLOAT_FILE_TYPES:
+        return 0
+    count = 0
+    for name in [n for n in weights if n.endswith(".weight")]:
+        w = weights[name]
+        if w.ndim != 2 or w.dtype not in (mx.float16, mx.bfloat16) or w.shape[1] % REQUANT_GROUP:
+            continue
+        module = name.removesuffix(".weight")
+        packed, scales, biases = mx.quantize(w.astype(mx.float32), group_size=REQUANT_GROUP, bits=REQUANT_BITS)
+        weights[name] = packed  # (out, in * bits / 32) uint32
+        weights[f"{module}.scales"] = scales.astype(mx.float16)  # (out, in / group)
+        weights[f"{module}.biases"] = biases.astype(mx.float16)
+        mx.eval(weights[name], weights[f"{module}.scales"], weights[f"{module}.biases"])
+        count += 1
+    if count:
+        kind = FILE_TYPE_NAMES.get(int(file_type), f"type {int(file_type)}")
+        logger.info("GGUF file type %s: re-quantized %d float16 tensors (types mx.load widens) to %d-bit affine, "
+                    "group %d", kind, count, REQUANT_BITS, REQUANT_GROUP)
+    return count
+
+
 def load_gguf(
     path: str | Path | None = None, *, keep_quantized: bool | None = None, dtype: mx.Dtype | None = None
 ) -> LoadedModel:
     """Load a GGUF model file (None: the default model) with its tokenizer.
 
-    keep_quantized: None = quantized on a GPU, dequantized on CPU (the fast choice on each).
+    keep_quantized: None = metrale.loading.weights.keep_quantized_default (kept on a GPU, and on CPU
+    with dtype None and the CPU kernels built); kept, float16 tensors of a quantized file are
+    re-quantized (`requantize_widened`).
     dtype: activations and float weights; None = float32 on CPU, float16 on a GPU.
     """
     start = time.perf_counter()
@@ -160,7 +203,7 @@ def load_gguf(
     if not path.is_file():
         raise ModelNotFoundError(f"no GGUF file at {path}")
     on_cpu = mx.default_device() == mx.cpu
-    keep = (not on_cpu) if keep_quantized is None else keep_quantized
+    keep = keep_quantized_default(keep_quantized, dtype)
     dtype = dtype or (mx.float32 if on_cpu else mx.float16)
 
     raw, metadata = mx.load(str(path), return_metadata=True)
@@ -171,6 +214,8 @@ def load_gguf(
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     weights = gguf_to_hf_weights(raw, config)
     del raw
+    if keep:
+        requantize_widened(weights, metadata)
     model, quantized = build_model(config, weights, keep_quantized=keep, dtype=dtype)
     return LoadedModel(
         model=model, config=config, tokenizer=tokenizer, path=path, dtype=dtype,

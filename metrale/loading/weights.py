@@ -3,9 +3,14 @@
 `build_model` takes weights under the model's own parameter names (`model.layers.0.mlp.up_proj.weight`),
 float or MLX affine-quantized triples (`name.weight` packed uint32, `name.scales`, `name.biases`),
 checks every name and shape against the model the config describes, and either keeps the
-triples quantized (`nn.QuantizedLinear` / `nn.QuantizedEmbedding`, the GPU path) or dequantizes
-them to float at load time (the CPU path: see `metrale.loading.gguf` and
-benchmarks/load_bench.py for the measurements).
+triples quantized or dequantizes them to float at load time (`keep_quantized_default` decides):
+
+    GPU                  kept: nn.QuantizedLinear / nn.QuantizedEmbedding (MLX's quantized kernels)
+    CPU, dtype "auto"    kept, computed by the CPU kernels (kernels/qmm.py, swapped in by
+                         metrale.models.cpu_quantized); dequantized to float32 when they are not built
+    CPU, dtype given     dequantized to that dtype (--dtype float32: float32 BLAS matmuls)
+
+On CPU, formats the kernels do not compute (2, 3, 5, 6 bits) are dequantized even when the rest is kept.
 
 Quantization parameters. A quantized module's group size and bits follow from its shapes and the
 in-features of the float module the config describes (packed (out, in * bits / 32), scales
@@ -16,17 +21,23 @@ given, are used instead and checked against the shapes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kernels import qmm
+from kernels.backend import matmul_backend
 from kernels.runtime import mx, nn
 from mlx.utils import tree_flatten
 
 from metrale.models import ModelConfig, get_model_class
+from metrale.models.cpu_quantized import use_cpu_kernels
 from metrale.text.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "QUANTIZED_BITS", "build_model", "dequantize_affine"]
+__all__ = ["LoadedModel", "QUANTIZED_BITS", "build_model", "dequantize_affine", "keep_quantized_default"]
+
+logger = logging.getLogger(__name__)
 
 QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs in affine mode
 _GROUP_SIZES = (32, 64, 128)
@@ -48,6 +59,28 @@ class LoadedModel:
     dtype: mx.Dtype
     quantization: Mapping[str, Mapping[str, int]]
     load_seconds: float
+
+    def describe_quantization(self) -> str:
+        """"float32 weights" or e.g. "quantized weights: 4-bit group 32 x 210, 8-bit group 32 x 1"."""
+        if not self.quantization:
+            return f"{str(self.dtype).removeprefix('mlx.core.')} weights"
+        counts: dict[tuple[int, int], int] = {}
+        for q in self.quantization.values():
+            key = (q["bits"], q["group_size"])
+            counts[key] = counts.get(key, 0) + 1
+        parts = [f"{b}-bit group {g} x {n}" for (b, g), n in sorted(counts.items())]
+        return "quantized weights: " + ", ".join(parts)
+
+
+def keep_quantized_default(keep_quantized: bool | None, dtype: mx.Dtype | None) -> bool:
+    """Whether quantized weights stay quantized: `keep_quantized` when given; else always on a GPU,
+    and on CPU only for dtype None ("auto") with the CPU kernels built (MLX's own CPU
+    quantized_matmul is slower than float32 BLAS at every batch size: benchmarks/qmm_bench.py)."""
+    if keep_quantized is not None:
+        return keep_quantized
+    if mx.default_device() != mx.cpu:
+        return True
+    return dtype is None and matmul_backend() == "kernel"
 
 
 def dequantize_affine(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
@@ -123,6 +156,18 @@ def _dequantize_all(weights: dict[str, mx.array], quantized: Mapping[str, Mappin
         mx.eval(weights[f"{module}.weight"])  # one tensor at a time: the packed copy is freed as we go
 
 
+def _dequantize_unsupported(weights: dict[str, mx.array], quantized: dict[str, dict[str, int]],
+                            dtype: mx.Dtype) -> None:
+    """On the CPU kernel path: dequantize, in place, the triples whose format the kernels lack."""
+    unsupported = {m: q for m, q in quantized.items() if not qmm.supports(q["bits"], q["group_size"])}
+    if unsupported:
+        logger.info("dequantizing %d layers the CPU kernels do not compute (%s) to %s", len(unsupported),
+                    sorted({f"{q['bits']}-bit group {q['group_size']}" for q in unsupported.values()}), dtype)
+        _dequantize_all(weights, unsupported, dtype)
+        for module in unsupported:
+            del quantized[module]
+
+
 def check_weights(model: nn.Module, weights: Mapping[str, mx.array], config: ModelConfig) -> None:
     """ValueError naming the missing, unexpected or mis-shaped weights of `model` (a config that
     does not describe these weights)."""
@@ -155,15 +200,19 @@ def build_model(
 
     `quantization` is an mlx-lm config's "quantization" entry, when there is one. Consumes
     `weights`. Returns (model, {quantized module path: {"group_size", "bits"}}), the mapping empty
-    when every triple was dequantized. ValueError on missing, extra or mis-shaped weights."""
+    when every triple was dequantized. Kept quantized on CPU with the kernels built (METRALE_MATMUL),
+    the layers run on kernels/qmm.py. ValueError on missing, extra or mis-shaped weights."""
     model = get_model_class(config.architecture)(config)
     float_shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}  # no eval: lazy init
     if quantization is not None and quantization.get("mode", "affine") != "affine":
         raise ValueError(f"quantization mode {quantization['mode']!r} is not supported; supported: affine")
     quantized = _quantized_modules(weights, float_shapes, quantization)
+    cpu_kernels = keep_quantized and mx.default_device() == mx.cpu and matmul_backend() == "kernel"
     if not keep_quantized:
         _dequantize_all(weights, quantized, dtype)
         quantized = {}
+    elif cpu_kernels:
+        _dequantize_unsupported(weights, quantized, dtype)
     for name, array in weights.items():
         # scales/biases too: float16 ones make MLX's CPU quantized matmul 35-85x slower than float32 ones
         if mx.issubdtype(array.dtype, mx.floating):
@@ -174,5 +223,7 @@ def build_model(
     model.load_weights(list(weights.items()), strict=True)
     weights.clear()
     model.eval()
+    if cpu_kernels and quantized:
+        use_cpu_kernels(model)  # repacks layer by layer; the MLX-layout copies are freed as it goes
     mx.eval(model.parameters())
     return model, quantized

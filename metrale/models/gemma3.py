@@ -15,7 +15,8 @@ What differs from llama (each matched against mlx-lm's gemma3_text):
 
 from __future__ import annotations
 
-from kernels.runtime import mx, nn
+from kernels.norm_rope import RMSNorm
+from kernels.runtime import mx
 
 from kvcache.attention import AttentionMetadata
 from kvcache.storage import PagedKVCache
@@ -25,17 +26,14 @@ from metrale.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCaus
 _FLOAT16_MAX = float(mx.finfo(mx.float16).max)
 
 
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm with a zero-centred weight: x / rms(x) * (1 + w)."""
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm with a zero-centred weight: x / rms(x) * (1 + w) (fused on CPU: kernels/norm_rope.py)."""
+
+    weight_offset = 1.0
 
     def __init__(self, dims: int, eps: float = 1e-6) -> None:
-        super().__init__()
+        super().__init__(dims, eps=eps)
         self.weight = mx.zeros((dims,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array) -> mx.array:
-        """x (..., dims) -> (..., dims)."""
-        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
 def residual_add(x: mx.array, y: mx.array) -> mx.array:

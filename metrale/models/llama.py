@@ -15,6 +15,7 @@ Hugging Face / mlx-lm (`model.layers.0.self_attn.q_proj.weight`), so their weigh
 from __future__ import annotations
 
 from kernels.activations import gated_activation_fn
+from kernels.norm_rope import RMSNorm
 from kernels.runtime import mx, nn
 from kvcache.attention import AttentionMetadata, paged_attention
 from kvcache.storage import PagedKVCache
@@ -64,13 +65,16 @@ class LlamaAttention(nn.Module):
     ) -> mx.array:
         """x (T, D), positions (T,) -> (T, D); writes this layer's K/V for the T tokens."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.n_heads, self.head_dim)  # (T, n_heads, head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        if "qkv_proj" in self:  # one fused call of the quantized CPU kernels (metrale.models.cpu_quantized)
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, self.n_heads, self.head_dim)  # (T, n_heads, head_dim)
+        k = k.reshape(num_tokens, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        v = v.reshape(num_tokens, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # each head normalized over head_dim
-        q = self._rope(q, positions)  # (T, n_heads, head_dim)
-        k = self._rope(k, positions)  # (T, n_kv_heads, head_dim)
+        q, k = self._rope.rotate_qk(q, k, positions, metadata)  # (T, n_heads | n_kv_heads, head_dim) each
         # each pool (num_slots, n_kv_heads, head_dim), already holding this step's K/V
         k_pool, v_pool = kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
         out = paged_attention(q, k_pool, v_pool, metadata, self.scale, sliding_window=self.sliding_window)
@@ -84,6 +88,7 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.hidden_act = config.hidden_act
         dim, hidden, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
@@ -93,14 +98,17 @@ class LlamaMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         """x (T, D) -> (T, D)."""
-        hidden = self._gated_activation(self.gate_proj(x), self.up_proj(x))  # (T, intermediate)
+        if "gate_up_proj" in self:  # act(gate) * up in the matmul's epilogue (metrale.models.cpu_quantized)
+            hidden = self.gate_up_proj(x)  # (T, intermediate)
+        else:
+            hidden = self._gated_activation(self.gate_proj(x), self.up_proj(x))  # (T, intermediate)
         return self.down_proj(hidden)  # (T, D)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP. Subclasses may swap `norm_class`."""
 
-    norm_class: type[nn.Module] = nn.RMSNorm
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, config: ModelConfig, layer_index: int, attention_class: type[LlamaAttention]) -> None:
         super().__init__()
@@ -122,7 +130,7 @@ class LlamaModel(nn.Module):
     `norm_class` and `embed`."""
 
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    norm_class: type[nn.Module] = nn.RMSNorm
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, config: ModelConfig, attention_class: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()

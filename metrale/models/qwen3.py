@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kernels.runtime import nn
+from kernels.norm_rope import RMSNorm
 
 from metrale.models.config import ModelConfig
 from metrale.models.llama import LlamaAttention, LlamaForCausalLM
@@ -13,7 +13,7 @@ class Qwen3Attention(LlamaAttention):
     """Llama attention with per-head q/k RMSNorm; biases as config.attention_bias says."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__(config, layer_index, qk_norm=nn.RMSNorm)
+        super().__init__(config, layer_index, qk_norm=RMSNorm)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

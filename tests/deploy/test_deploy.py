@@ -207,6 +207,16 @@ def test_docker_compose_fleet():
                 assert (DEPLOY / source).exists(), source
 
 
+def test_dockerfile_copies_every_package_and_builds_the_kernels():
+    """The image holds every package pyproject installs and compiles the CPU kernels (portable)."""
+    dockerfile = (DEPLOY / "docker/Dockerfile").read_text()
+    pyproject = (DEPLOY.parent / "pyproject.toml").read_text()
+    packages = re.search(r'include = \[(.*?)\]', pyproject).group(1)
+    for package in re.findall(r'"(\w+)\*"', packages):
+        assert re.search(rf"^COPY {package} \./{package}$", dockerfile, re.M), package
+    assert "python -m kernels.build" in dockerfile and "march=native" not in dockerfile
+
+
 def test_systemd_unit():
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.optionxform = str

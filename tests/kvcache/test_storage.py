@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels.backend import attention_backend
 from kvcache.storage import PagedKVCache
 
 
@@ -108,3 +109,24 @@ def test_copy_blocks_copies_every_layer_and_leaves_the_rest():
         np.testing.assert_array_equal(got[untouched], old[untouched])
     with pytest.raises(ValueError, match="out of range"):
         cache.copy_blocks([(0, 6)])
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_kernel_and_indexed_writes_agree_and_keep_held_pools_intact(monkeypatch, backend):
+    """The CPU kernel's write (one node per pool) and MLX's indexed assignment give the same pools.
+    MLX's assignment updates the pool object itself (a holder sees the write); the kernel rebinds the
+    cache's pool, so a holder keeps the old values (the write copied the pool for it)."""
+    if backend == "kernel" and attention_backend() != "kernel":
+        pytest.skip("kernels not built: python -m kernels.build")
+    monkeypatch.setenv("METRALE_ATTENTION", backend)
+    cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=4, n_kv_heads=2, head_dim=8)
+    rng = np.random.default_rng(0)
+    held = cache.layer(0)[0]  # an old pool someone still reads
+    keys, values = (mx.array(rng.standard_normal((3, 2, 8)).astype(np.float32)) for _ in range(2))
+    slots = mx.array([5, 0, 15], dtype=mx.int32)
+    k_pool, v_pool = cache.write(0, keys, values, slots)
+    want_k, want_v = np.zeros((16, 2, 8), np.float32), np.zeros((16, 2, 8), np.float32)
+    want_k[[5, 0, 15]], want_v[[5, 0, 15]] = np.array(keys), np.array(values)
+    np.testing.assert_array_equal(np.array(k_pool), want_k)
+    np.testing.assert_array_equal(np.array(v_pool), want_v)
+    np.testing.assert_array_equal(np.array(held), want_k if backend == "reference" else 0.0)

@@ -171,10 +171,12 @@ def byte_vocab(size: int) -> tuple[list[str], list[str]]:
 
 
 def write_tiny_gguf(path: str, config_dict: Mapping[str, Any], params: Sequence[tuple[str, mx.array]], *,
-                    vocab: tuple[list[str], list[str]] | None = None, chat_template: str = CHATML_TEMPLATE) -> None:
-    """Write HF-named float32 weights as a llama GGUF the way llama.cpp's converter would: GGUF
-    tensor names, Q/K rows permuted for interleaved RoPE, llama.* and tokenizer.* metadata.
-    `vocab` (tokens, merges) replaces the default tiny_vocab; `chat_template` the ChatML one."""
+                    vocab: tuple[list[str], list[str]] | None = None, chat_template: str = CHATML_TEMPLATE,
+                    file_type: int | None = None) -> None:
+    """Write HF-named weights as a llama GGUF the way llama.cpp's converter would: GGUF tensor
+    names, Q/K rows permuted for interleaved RoPE, llama.* and tokenizer.* metadata.
+    `vocab` (tokens, merges) replaces the default tiny_vocab; `chat_template` the ChatML one;
+    general.file_type when given (15 with float16 tensors: what mx.load makes of a Q4_K_M file)."""
     from metrale.loading.gguf import permute_rope_rows
 
     heads = config_dict["num_attention_heads"]
@@ -214,6 +216,8 @@ def write_tiny_gguf(path: str, config_dict: Mapping[str, Any], params: Sequence[
         "tokenizer.ggml.eos_token_id": u32(2),
         "tokenizer.chat_template": chat_template,
     }
+    if file_type is not None:
+        metadata["general.file_type"] = u32(file_type)
     mx.save_gguf(path, arrays, metadata)
 
 

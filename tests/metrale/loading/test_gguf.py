@@ -4,10 +4,12 @@ default model end to end (marked real_model)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
 
+from tests.kernels.qmm_helpers import use_float_kernels
 from tests.metrale.model_helpers import PagedHarness, make_twins, reference_logits, tiny_config_dict, write_tiny_gguf
 
 import mlx.core as mx  # noqa: E402  (model_helpers loads the fast BLAS first)
@@ -21,9 +23,12 @@ from metrale.loading.gguf import (  # noqa: E402
     permute_rope_rows, unpermute_rope_rows,
 )
 from metrale.models import ModelConfig  # noqa: E402
+from kernels import ext  # noqa: E402
+from kernels.qmm import QuantizedLinearCPU  # noqa: E402
 from metrale.models.llama import LlamaForCausalLM  # noqa: E402
 
 ATOL = 2e-4
+needs_qmm = pytest.mark.skipif(not ext.has_qmm_kernels(), reason="kernels not built: python -m kernels.build")
 
 
 def test_permute_then_unpermute_is_identity_and_moves_whole_rows():
@@ -88,18 +93,25 @@ def test_dequantize_affine_is_exact_float32(bits):
     np.testing.assert_allclose(np.asarray(got), want.reshape(48, 64), rtol=1e-6, atol=1e-6)
 
 
-def test_kept_quantized_equals_dequantized_model():
-    """The GPU path (quantized modules) and the CPU path (float32) agree on the same triples."""
-    config_dict = tiny_config_dict()
+def _quantized_twins(bits=4, group_size=32, **overrides):
+    """A tiny model and its weights as affine triples (every linear and the embedding)."""
+    config_dict = tiny_config_dict(**overrides)
     _, model = make_twins(config_dict)
     triples = {}
     for name, value in tree_flatten(model.parameters()):
-        if value.ndim == 2:  # every linear and the embedding
+        if value.ndim == 2:
             module = name.removesuffix(".weight")
-            packed, scales, biases = mx.quantize(value, group_size=32, bits=4)
+            packed, scales, biases = mx.quantize(value, group_size=group_size, bits=bits)
             triples |= {f"{module}.weight": packed, f"{module}.scales": scales, f"{module}.biases": biases}
         else:
             triples[name] = value
+    return config_dict, model, triples
+
+
+def test_kept_quantized_equals_dequantized_model(monkeypatch):
+    """The GPU path (MLX's quantized modules) and the float32 path agree on the same triples."""
+    monkeypatch.setenv("METRALE_MATMUL", "reference")
+    config_dict, model, triples = _quantized_twins()
     kept, quant = build_model(model.config, dict(triples), keep_quantized=True, dtype=mx.float32)
     floats, none = build_model(model.config, dict(triples), keep_quantized=False, dtype=mx.float32)
     assert none == {} and quant["model.embed_tokens"] == {"group_size": 32, "bits": 4}
@@ -107,6 +119,56 @@ def test_kept_quantized_equals_dequantized_model():
     chunks = [("a", [1, 2, 3, 4, 5]), ("b", [6])]
     for g, w in zip(PagedHarness(model.config).step(kept, chunks), PagedHarness(model.config).step(floats, chunks)):
         assert mx.allclose(g, w, atol=1e-4).item()
+
+
+@needs_qmm
+@pytest.mark.parametrize("bits,group_size,tied", [(4, 32, True), (8, 64, False), (4, 128, False)])
+def test_cpu_kernel_model_equals_dequantized_model(monkeypatch, bits, group_size, tied):
+    """On CPU kept weights run on the kernels: exact wiring with float math on the packed weights,
+    int8 activations within a fraction of the logits' spread."""
+    config_dict, model, triples = _quantized_twins(bits, group_size, hidden_size=128, intermediate_size=256,
+                                                   tie_word_embeddings=tied)
+    kept, quant = build_model(model.config, dict(triples), keep_quantized=True, dtype=mx.float32)
+    floats, _ = build_model(model.config, dict(triples), keep_quantized=False, dtype=mx.float32)
+    assert isinstance(kept.model.layers[0].self_attn.qkv_proj, QuantizedLinearCPU)
+    assert ("lm_head" in kept) == (not tied) and len(quant) == 7 * config_dict["num_hidden_layers"] + 1 + (not tied)
+    chunks = [("a", [1, 2, 3, 4, 5]), ("b", [6])]
+    want = PagedHarness(model.config).step(floats, chunks)
+    for g, w in zip(PagedHarness(model.config).step(kept, chunks), want):
+        assert mx.abs(g - w).max().item() < 0.3 * mx.std(w).item()
+    use_float_kernels(monkeypatch)
+    for g, w in zip(PagedHarness(model.config).step(kept, chunks), want):
+        assert mx.allclose(g, w, atol=1e-4).item()
+
+
+def test_unsupported_bits_are_dequantized_on_the_cpu_kernel_path():
+    config_dict, model, triples = _quantized_twins(bits=6)
+    kept, quant = build_model(model.config, dict(triples), keep_quantized=True, dtype=mx.float32)
+    if ext.has_qmm_kernels():
+        assert quant == {} and kept.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+
+
+@pytest.mark.parametrize("file_type,requantized", [(15, True), (1, False)])
+def test_widened_float16_tensors_of_a_quantized_gguf_are_requantized(tmp_path, caplog, file_type, requantized):
+    """Q4_K_M (file type 15) arrives from mx.load as float16 tensors: kept quantized, they become
+    8-bit group-32 triples, with a log line; a float16 file (type 1) stays float."""
+    config_dict = tiny_config_dict(tie_word_embeddings=False)
+    reference, model = make_twins(config_dict)
+    params = [(n, v.astype(mx.float16) if v.ndim == 2 else v) for n, v in tree_flatten(model.parameters())]
+    path = tmp_path / "kquant.gguf"
+    write_tiny_gguf(str(path), config_dict, params, file_type=file_type)
+    with caplog.at_level(logging.INFO, logger="metrale.loading.gguf"):
+        loaded = load_gguf(path, keep_quantized=True)
+    assert bool(loaded.quantization) == requantized
+    if requantized:
+        assert set(map(tuple, (q.values() for q in loaded.quantization.values()))) == {(32, 8)}
+        count = 7 * config_dict["num_hidden_layers"] + 2  # every linear, the embedding and the lm_head
+        assert len(loaded.quantization) == count
+        assert f"file type Q4_K_M: re-quantized {count} float16 tensors" in caplog.text
+    tokens = [3, 17, 4, 99, 50, 1, 2, 60]
+    (logits,) = PagedHarness(loaded.config).step(loaded.model, [("s", tokens)])
+    want = reference_logits(reference, tokens)
+    assert mx.abs(logits - want).max().item() < 0.1 * mx.std(want).item()
 
 
 def _metadata(**overrides):
@@ -167,8 +229,9 @@ CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_
 
 @pytest.fixture(scope="module")
 def smollm():
+    """The default model dequantized to float32 (--dtype float32), as mlx-lm can take its weights."""
     try:
-        return load_gguf()
+        return load_gguf(dtype=mx.float32)
     except ModelNotFoundError as e:
         pytest.skip(str(e))
 
@@ -180,7 +243,7 @@ def test_real_config(smollm):
         "llama", 30, 576, 9, 3)
     assert (c.head_dim, c.intermediate_size, c.vocab_size, c.rope_theta) == (64, 1536, 49152, 100000.0)
     assert c.tie_word_embeddings and c.rope_scaling is None and c.rms_norm_eps == 1e-5
-    assert smollm.quantization == {} and smollm.dtype == mx.float32  # dequantized on CPU
+    assert smollm.quantization == {} and smollm.dtype == mx.float32  # dequantized: an explicit dtype on CPU
     assert smollm.model.model.embed_tokens.weight.dtype == mx.float32
 
 

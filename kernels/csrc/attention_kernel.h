@@ -8,27 +8,24 @@
 //   slot(t) = table[t / block_size] * block_size + t % block_size, walked block by block
 //   start   = window > 0 ? max(0, ctx - window) : 0
 // Also causal_softmax_row, the masked softmax of prefill chunks (causal_softmax.cpp).
-// Vectors, loads and exp8 come from vecmath.h (shared with the activation kernels).
+// Vectors, loads and exp8 come from vecmath.h (shared with the activation kernels). Compiled per
+// instruction set inside namespace METRALE_ISA_NS (isa_kernels.cpp): no std algorithm templates here.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
 
+#include "kernel_table.h"
 #include "vecmath.h"
 
-namespace metrale::kernel {
+namespace metrale::METRALE_ISA_NS::kernel {
 
-constexpr int kMaxHeadDim = 256;  // the op rejects larger head_dim (stack buffers below)
+using metrale::DecodeDims;
 
-struct Dims {
-  int batch, n_heads, n_kv, head_dim, max_blocks, block_size, window;
-  int64_t num_blocks;
-  float scale;
-};
+constexpr int kMaxHeadDim = metrale::kMaxHeadDim;
+
+inline void fill(float* begin, float* end, float value) {
+  for (; begin < end; ++begin) *begin = value;
+}
 
 #ifndef METRALE_PREFETCH_BLOCKS
 #define METRALE_PREFETCH_BLOCKS 2
@@ -38,7 +35,7 @@ struct Dims {
 // sit at random places in the pool, which the hardware prefetcher cannot guess: the rows of the
 // block METRALE_PREFETCH_BLOCKS ahead are prefetched (`row_bytes` from base + row each).
 template <typename T, typename F>
-inline void for_each_slot(const Dims& dm, const int32_t* table, int start, int ctx, int64_t row_stride,
+inline void for_each_slot(const DecodeDims& dm, const int32_t* table, int start, int ctx, int64_t row_stride,
                           const T* base, int row_bytes, F&& f) {
   const int bs = dm.block_size;
   const int last = (ctx - 1) / bs;
@@ -47,35 +44,31 @@ inline void for_each_slot(const Dims& dm, const int32_t* table, int start, int c
     for (int i = 0; i < bs; ++i, p += row_stride * sizeof(T))
       for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
   };
-  for (int j = start / bs; j < std::min(last + 1, start / bs + METRALE_PREFETCH_BLOCKS); ++j) prefetch(j);
+  for (int j = start / bs; j < min_of(last + 1, start / bs + METRALE_PREFETCH_BLOCKS); ++j) prefetch(j);
   for (int j = start / bs, t = start; t < ctx; ++j) {
     if (j + METRALE_PREFETCH_BLOCKS <= last) prefetch(j + METRALE_PREFETCH_BLOCKS);
-    const int end = std::min(ctx, (j + 1) * bs);
+    const int end = min_of(ctx, (j + 1) * bs);
     int64_t row = (static_cast<int64_t>(table[j]) * bs + t % bs) * row_stride;
     for (; t < end; ++t, row += row_stride) f(t, row);
   }
 }
 
-// Scratch floats one task needs: (REP <= 8, keys) scores.
-inline int64_t scratch_floats(int max_keys) {
-  return 8 * static_cast<int64_t>(std::max(max_keys, 1));
-}
 
 // One (sequence, kv head) task over REP of its query heads. q: (REP, hd) unscaled rows; out: (REP, hd).
 // head_dim a multiple of 8, <= kMaxHeadDim (checked by the op); no allocation, nothing thrown.
 template <typename T, int REP>
-void decode_task(const Dims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
+void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
                  float* out, float* scratch, int g) noexcept {
   constexpr int rep = REP;
   const int hd = dm.head_dim, chunks = hd / kW;
   const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * hd;
-  const int start = dm.window > 0 ? std::max(0, ctx - dm.window) : 0;
+  const int start = dm.window > 0 ? max_of(0, ctx - dm.window) : 0;
   const int n = ctx - start;
   bool valid = ctx >= 1 && static_cast<int64_t>(ctx) <= static_cast<int64_t>(dm.max_blocks) * dm.block_size;
   for (int j = start / dm.block_size; valid && j <= (ctx - 1) / dm.block_size; ++j)
     valid = table[j] >= 0 && table[j] < dm.num_blocks;
   if (!valid) {
-    std::fill(out, out + rep * hd, std::numeric_limits<float>::quiet_NaN());
+    fill(out, out + rep * hd, __builtin_nanf(""));
     return;
   }
   float* s = scratch;  // (rep, n): scores, then unnormalized probabilities
@@ -96,7 +89,8 @@ void decode_task(const Dims& dm, const float* q, const T* kp, const T* vp, const
   float inv_sum[rep];
   for (int r = 0; r < rep; ++r) {
     float* sr = s + static_cast<int64_t>(r) * n;
-    const float m = *std::max_element(sr, sr + n);
+    float m = sr[0];
+    for (int i = 1; i < n; ++i) m = max_of(m, sr[i]);
     v8f sum8 = {};
     int i = 0;
     for (; i + kW <= n; i += kW) {
@@ -105,12 +99,12 @@ void decode_task(const Dims& dm, const float* q, const T* kp, const T* vp, const
       sum8 += e;
     }
     float sum = hsum(sum8);
-    for (; i < n; ++i) sum += (sr[i] = std::exp(sr[i] - m));
+    for (; i < n; ++i) sum += (sr[i] = __builtin_expf(sr[i] - m));
     inv_sum[r] = 1.0f / sum;
   }
 
   v8f acc[rep * (kMaxHeadDim / kW)];  // (rep, chunks) output accumulators
-  std::fill(acc, acc + rep * chunks, v8f{});
+  for (int i = 0; i < rep * chunks; ++i) acc[i] = v8f{};
   const T* vg = vp + static_cast<int64_t>(g) * hd;
   for_each_slot(dm, table, start, ctx, row_stride, vg, hd * int(sizeof(T)), [&](int t, int64_t row) {
     float p[rep];
@@ -124,22 +118,19 @@ void decode_task(const Dims& dm, const float* q, const T* kp, const T* vp, const
     for (int c = 0; c < chunks; ++c) store8(out + r * hd + c * kW, acc[r * chunks + c] * inv_sum[r]);
 }
 
-}  // namespace metrale::kernel
-
-namespace metrale::kernel {
 
 // In-place masked softmax of one score row (length L) of query i:
 // keys j with lo <= j <= hi are kept (hi = i + offset, lo = window ? hi - window + 1 : 0), the
 // rest become 0. With no key kept the row is NaN (as a fully masked softmax would be).
 inline void causal_softmax_row(float* row, int length, int i, int offset, int window) noexcept {
-  const int hi = std::min(length - 1, i + offset);
-  const int lo = window > 0 ? std::max(0, i + offset - window + 1) : 0;
+  const int hi = min_of(length - 1, i + offset);
+  const int lo = window > 0 ? max_of(0, i + offset - window + 1) : 0;
   if (hi < lo) {
-    std::fill(row, row + length, std::numeric_limits<float>::quiet_NaN());
+    fill(row, row + length, __builtin_nanf(""));
     return;
   }
-  float m = -std::numeric_limits<float>::infinity();
-  for (int j = lo; j <= hi; ++j) m = std::max(m, row[j]);
+  float m = -__builtin_inff();
+  for (int j = lo; j <= hi; ++j) m = max_of(m, row[j]);
   v8f sum8 = {};
   int j = lo;
   for (; j + kW <= hi + 1; j += kW) {
@@ -148,12 +139,12 @@ inline void causal_softmax_row(float* row, int length, int i, int offset, int wi
     sum8 += e;
   }
   float sum = hsum(sum8);
-  for (; j <= hi; ++j) sum += (row[j] = std::exp(row[j] - m));
+  for (; j <= hi; ++j) sum += (row[j] = __builtin_expf(row[j] - m));
   const float inv = 1.0f / sum;
-  std::fill(row, row + lo, 0.0f);
+  fill(row, row + lo, 0.0f);
   for (j = lo; j + kW <= hi + 1; j += kW) store8(row + j, load8(row + j) * inv);
   for (; j <= hi; ++j) row[j] *= inv;
-  std::fill(row + hi + 1, row + length, 0.0f);
+  fill(row + hi + 1, row + length, 0.0f);
 }
 
-}  // namespace metrale::kernel
+}  // namespace metrale::METRALE_ISA_NS::kernel

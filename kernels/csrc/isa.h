@@ -1,0 +1,23 @@
+// Which compiled kernel set runs: the best instruction set this CPU has, decided once at first use.
+// METRALE_CPU_ISA=scalar|avx2|avx512 (read once) asks for a lower one, e.g. to test the fallback; a
+// set the CPU lacks is refused (an illegal instruction would kill the process).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kernel_table.h"
+
+namespace metrale {
+
+// The kernel table in use (thread-safe, decided on the first call).
+const KernelTable& cpu_kernels();
+
+// The instruction sets this build has and this CPU runs, best last (always starts with "scalar").
+std::vector<std::string> supported_isas();
+
+// Switch to `name` (one of supported_isas()); std::invalid_argument otherwise. For tests and
+// benchmarks: call it while no kernel runs.
+void set_cpu_isa(const std::string& name);
+
+}  // namespace metrale

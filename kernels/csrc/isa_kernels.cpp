@@ -1,0 +1,87 @@
+// The compute kernels of one instruction set, compiled once per set with that set's flags
+// (CMakeLists.txt: METRALE_ISA_NS = scalar | avx2 | avx512) and picked at run time (isa.cpp).
+// Everything defined here lives in namespace metrale::METRALE_ISA_NS, and nothing here includes MLX:
+// an inline function compiled with AVX-512 flags must not be merged by the linker with the copy
+// that a CPU without AVX-512 runs.
+#include "kernel_table.h"
+
+#include "activation_kernel.h"
+#include "attention_kernel.h"
+#include "norm_rope_kernel.h"
+#include "qmm_kernel.h"
+#include "vecmath.h"
+
+#ifndef METRALE_ISA_NS
+#error "compile with -DMETRALE_ISA_NS=scalar|avx2|avx512"
+#endif
+
+#define METRALE_CAT2(a, b) a##b
+#define METRALE_CAT(a, b) METRALE_CAT2(a, b)
+#define METRALE_STR2(x) #x
+#define METRALE_STR(x) METRALE_STR2(x)
+
+namespace metrale::METRALE_ISA_NS {
+
+namespace {
+
+template <typename T, int REP>
+void decode_group(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
+                  float* out, float* scratch, int g) {
+  kernel::decode_task<T, REP>(dm, q, kp, vp, table, ctx, out, scratch, g);
+}
+
+// The rep query heads of one kv head, in sub-groups of at most 8 (each a compile-time width).
+template <typename T>
+void decode_heads(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
+                  float* out, float* scratch, int g) {
+  using Fn = void (*)(const DecodeDims&, const float*, const T*, const T*, const int32_t*, int, float*, float*, int);
+  static constexpr Fn by_width[] = {decode_group<T, 1>, decode_group<T, 2>, decode_group<T, 3>, decode_group<T, 4>,
+                                    decode_group<T, 5>, decode_group<T, 6>, decode_group<T, 7>, decode_group<T, 8>};
+  const int rep = dm.n_heads / dm.n_kv;
+  for (int r0 = 0; r0 < rep; r0 += 8) {
+    const int width = kernel::min_of(8, rep - r0);
+    const int64_t offset = static_cast<int64_t>(r0) * dm.head_dim;
+    by_width[width - 1](dm, q + offset, kp, vp, table, ctx, out + offset, scratch, g);
+  }
+}
+
+void decode_task(const DecodeDims& dm, Dtype dtype, const float* q, const void* kp, const void* vp,
+                 const int32_t* table, int ctx, float* out, float* scratch, int g) {
+  if (dtype == Dtype::float32) {
+    decode_heads(dm, q, static_cast<const float*>(kp), static_cast<const float*>(vp), table, ctx, out, scratch, g);
+  } else if (dtype == Dtype::float16) {
+    decode_heads(dm, q, static_cast<const kernel::f16_t*>(kp), static_cast<const kernel::f16_t*>(vp), table, ctx,
+                 out, scratch, g);
+  } else {
+    decode_heads(dm, q, static_cast<const kernel::bf16_t*>(kp), static_cast<const kernel::bf16_t*>(vp), table,
+                 ctx, out, scratch, g);
+  }
+}
+
+void causal_softmax_rows(const float* src, float* dst, int64_t row_begin, int64_t row_end, int length, int q_len,
+                         int offset, int window) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float* row = dst + r * length;
+    const float* in = src + r * length;
+    if (row != in)
+      for (int j = 0; j < length; ++j) row[j] = in[j];
+    kernel::causal_softmax_row(row, length, static_cast<int>(r % q_len), offset, window);
+  }
+}
+
+}  // namespace
+
+}  // namespace metrale::METRALE_ISA_NS
+
+namespace metrale {
+
+const KernelTable* METRALE_CAT(kernel_table_, METRALE_ISA_NS)() {
+  namespace isa = metrale::METRALE_ISA_NS;
+  static const KernelTable table{
+      METRALE_STR(METRALE_ISA_NS), isa::decode_task, isa::causal_softmax_rows, isa::kernel::gated,
+      isa::kernel::rms_norm_rows, isa::kernel::rope_rows, isa::qmm::quantize, isa::qmm::panels,
+  };
+  return &table;
+}
+
+}  // namespace metrale

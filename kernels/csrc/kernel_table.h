@@ -1,0 +1,99 @@
+// The contract between the MLX primitives (compiled once, for the baseline CPU) and the compute
+// kernels (compiled once per instruction set in isa_kernels.cpp): plain structs and one table of
+// function pointers per instruction set. No MLX header and no inline code here, so nothing compiled
+// with AVX-512 flags can be linked into code that runs on a CPU without AVX-512.
+#pragma once
+
+#include <cstdint>
+
+namespace metrale {
+
+enum class Dtype : int { float32 = 0, float16 = 1, bfloat16 = 2 };
+enum class GatedKind : int { silu = 0, gelu_tanh = 1 };
+
+constexpr int kMaxHeadDim = 256;    // paged decode rejects larger head_dim (stack buffers)
+constexpr int kDecodeScratchRows = 8;  // a decode task needs (8, keys) floats of scratch
+
+struct DecodeDims {
+  int batch, n_heads, n_kv, head_dim, max_blocks, block_size, window;
+  int64_t num_blocks;
+  float scale;
+};
+
+// Quantized matmul (qmm_kernel.h). A weight W (N, K) in MLX's affine form, w = q * scale + bias per
+// group of `group_size` along K, repacked at load (kernels/qmm.py) into panels of 16 rows:
+//   q       uint8 (P, 16 * K * bits / 8), panel p holds rows 16p .. 16p + 15:
+//           bits 8: K / 4 chunks of 64 bytes, byte 4r + j = q[16p + r][4c + j]
+//           bits 4: K / 8 chunks of 64 bytes, byte 4r + j = q[16p + r][8c + j] | q[16p + r][8c + 4 + j] << 4
+//   scales  (P, K / group_size, 16) float16 bits or float32, biases the same
+constexpr int kPanelRows = 16;
+constexpr int kActBlock = 32;  // activations are quantized to int8 per 32 values
+
+struct QmmWeights {
+  const uint8_t* q;
+  const void* scales;
+  const void* biases;
+  int64_t panels;  // P
+  int K, bits, group_size;
+  bool f16_scales;  // scales / biases are float16 bits (else float32)
+};
+
+// Activations x (T, K) float32 quantized per row and block of 32 values, m = max|x| per block:
+//   int8 (xlo null)  X = round(x / d), d = m / 127:       xq (T, K) int8 = X
+//   int16            X = round(x / d), d = m / kWideMax:  X = 255 hi + lo, xq = hi, xlo = lo (int8 each)
+//   xd (T, K / 32) float32 the d;  xisum (T, K / 32) int32 sums of X per block;
+//   xsum (T, K / group_size) float32 sums of the quantized x (d X) per weight group (the bias term).
+constexpr int kWideMax = 127 * 256;  // |X| <= 32512: |hi| = |round(X / 255)| <= 127, |lo| <= 127
+
+struct QmmActs {
+  int8_t* xq;
+  int8_t* xlo;
+  float* xd;
+  float* xsum;
+  int32_t* xisum;
+  int64_t tokens;
+  int K, group_size;
+};
+
+// Where panel outputs go: out (T, ld) float32, panel p's row r lands in column 16 (p - first) + r
+// when that is below `columns`. glu: panels come in (gate, up) pairs and one column holds
+// act(gate) * up (kind as GatedKind).
+struct QmmOut {
+  float* out;
+  int64_t ld;
+  int64_t first_panel;
+  int64_t columns;
+  int glu;  // -1: plain; else a GatedKind
+};
+
+struct KernelTable {
+  const char* isa;
+  // paged decode attention: one (sequence, kv head) task (attention_kernel.h)
+  void (*decode_task)(const DecodeDims& dm, Dtype dtype, const float* q, const void* k_pool, const void* v_pool,
+                      const int32_t* table, int ctx, float* out, float* scratch, int g);
+  // rows [row_begin, row_end) of a (..., q_len, length) score tensor, masked softmax into dst
+  void (*causal_softmax_rows)(const float* src, float* dst, int64_t row_begin, int64_t row_end, int length,
+                              int q_len, int offset, int window);
+  // out[i] = act(gate[i]) * up[i] for i in [begin, end)
+  void (*gated)(GatedKind kind, Dtype dtype, const void* gate, const void* up, void* out, int64_t begin,
+                int64_t end);
+  // rows [r0, r1) of x (rows, D) float32: RMSNorm with weight w + w_offset (norm_rope_kernel.h)
+  void (*rms_norm_rows)(const float* x, const float* w, float* out, int64_t r0, int64_t r1, int D, float eps,
+                        float w_offset);
+  // tokens [t0, t1) of x (T, H, D) float32 rotated by cos / sin (T, D / 2)
+  void (*rope_rows)(const float* x, const float* cos, const float* sin, float* out, int64_t t0, int64_t t1, int H,
+                    int D, bool traditional);
+  // quantized matmul: quantize rows [t_begin, t_end) of x (T, K) into acts
+  void (*qmm_quantize)(const float* x, const QmmActs& acts, int64_t t_begin, int64_t t_end);
+  // quantized matmul: panels [p_begin, p_end) (pairs with glu) for tokens [t_begin, t_end) of acts
+  void (*qmm_panels)(const QmmWeights& w, const QmmActs& acts, const QmmOut& out, int64_t p_begin, int64_t p_end,
+                     int64_t t_begin, int64_t t_end);
+};
+
+const KernelTable* kernel_table_scalar();
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable* kernel_table_avx2();
+const KernelTable* kernel_table_avx512();
+#endif
+
+}  // namespace metrale

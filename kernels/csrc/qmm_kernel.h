@@ -1,0 +1,380 @@
+// Quantized matmul y = x W^T straight from 4- or 8-bit affine weights (w = q * scale + bias per group),
+// llama.cpp style: activations quantized to int8 per block of 32, integer dot products, floats per block.
+//
+//   y[t, n] = sum_g scale[n, g] sum_{b in g} d[t, b] sum_{k in b} q[n, k] xq[t, k]   (integer inner sum)
+//           + sum_g bias[n, g] xsum[t, g]                                              (exact float sums of x)
+//
+// Layout (kernel_table.h, packed by kernels/qmm.py): panels of 16 rows, 4 consecutive k of one row in
+// each 32-bit lane, so one 64-byte vector is 16 rows x 4 k (8 k for 4 bits: low nibbles k .. k+3, high
+// nibbles k+4 .. k+7). An int8 dot of a vector with the 4 activation bytes broadcast to every lane
+// gives 16 row sums at once: no horizontal adds, and each output lands as 16 contiguous floats.
+//
+// One micro-kernel call computes a tile: one panel (16 rows) x TT tokens, over all of K, in registers.
+//   AVX-512 VNNI  vpdpbusd (u8 q x s8 xq -> s32), 16 rows per zmm, TT <= 8
+//   AVX2          vpmaddubsw + vpmaddwd, 8 rows per ymm (two per panel), TT <= 4; 8-bit q as
+//                 (q - 128) with the sign trick (u8 x s8 products must fit int16), corrected by 128 sum(xq)
+//   scalar        plain loops over the same layout (the fallback, and the reference for the others)
+// Compiled per instruction set inside namespace METRALE_ISA_NS (isa_kernels.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "activation_kernel.h"
+#include "kernel_table.h"
+#include "vecmath.h"
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define METRALE_QMM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define METRALE_QMM_AVX2 1
+#endif
+
+namespace metrale::METRALE_ISA_NS::qmm {
+
+using kernel::v8f;
+using kernel::kW;
+
+constexpr int R = kPanelRows;
+
+#if defined(METRALE_QMM_AVX512)
+constexpr int kMaxTile = 8;  // tokens per tile: TT int + TT float accumulators (x2 int with int16) of 32 zmm
+#else
+constexpr int kMaxTile = 4;
+#endif
+
+inline int64_t panel_bytes(const QmmWeights& w) {
+  return static_cast<int64_t>(R) * w.K * w.bits / 8;
+}
+
+// The 16 scales (or biases) of panel p, group g, as floats.
+template <bool F16S>
+inline void load16(const void* base, int64_t index, float out[R]) {
+  if constexpr (F16S) {
+    const auto* h = static_cast<const kernel::f16_t*>(base) + index * R;
+    kernel::store8(out, kernel::load8(h));
+    kernel::store8(out + 8, kernel::load8(h + 8));
+  } else {
+    std::memcpy(out, static_cast<const float*>(base) + index * R, sizeof(float) * R);
+  }
+}
+
+// ---- quantizing activations ----
+
+typedef int8_t v8b __attribute__((vector_size(8)));
+
+// round(v) to the nearest integer, ties to even (the default rounding mode), as int32.
+inline kernel::v8i round8(v8f v) {
+  kernel::v8i out;
+#if defined(__AVX__)
+  __m256 f;
+  std::memcpy(&f, &v, sizeof(f));
+  const __m256i i = _mm256_cvtps_epi32(f);
+  std::memcpy(&out, &i, sizeof(out));
+#elif defined(__SSE2__)
+  __m128 f[2];
+  std::memcpy(f, &v, sizeof(f));
+  const __m128i i[2] = {_mm_cvtps_epi32(f[0]), _mm_cvtps_epi32(f[1])};
+  std::memcpy(&out, i, sizeof(out));
+#else
+  for (int j = 0; j < kW; ++j) out[j] = static_cast<int32_t>(__builtin_rintf(v[j]));
+#endif
+  return out;
+}
+
+inline void store_int8(int8_t* p, kernel::v8i q) {
+  const v8b q8 = __builtin_convertvector(q, v8b);
+  std::memcpy(p, &q8, sizeof(q8));
+}
+
+// Rows [t_begin, t_end) of x (T, K), per block of 32 with m = max|x| (QmmActs, kernel_table.h):
+//   int8:  X = round(x * (127 / m)), d = m / 127;  xq = X
+//   int16: X = round(x * (kWideMax / m)), d = m / kWideMax, split X = 255 hi + lo (|hi|, |lo| <= 127),
+//          xq = hi, xlo = lo: sum_k q_k X_k = 255 sum q hi + sum q lo, two int8 dot products
+// The product is rounded to float32 before the integer rounding, so every instruction set computes
+// the same X. xisum = sum(X); per weight group xsum = sum_b d_b xisum_b, the sum of the quantized x:
+// the bias term then sees the same x as the scale term, so the error is sum_k w_k (x^_k - x_k)
+// rather than sum_k q_k scale (x^_k - x_k), ~3x smaller for 4 bits (llama.cpp's Q8_1 keeps this sum).
+inline void quantize(const float* x, const QmmActs& a, int64_t t_begin, int64_t t_end) {
+  const int K = a.K, blocks = K / kActBlock, per_group = a.group_size / kActBlock;
+  const bool wide = a.xlo != nullptr;
+  const float top = wide ? static_cast<float>(kWideMax) : 127.0f;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const float* xr = x + t * K;
+    float gsum = 0.0f;
+    for (int b = 0; b < blocks; ++b) {
+      v8f v[4], amax = {};
+      for (int i = 0; i < 4; ++i) {
+        v[i] = kernel::load8(xr + b * kActBlock + i * kW);
+        amax = kernel::abs8(v[i]) > amax ? kernel::abs8(v[i]) : amax;
+      }
+      const float m = kernel::hmax(amax);
+      const float d = m / top, id = m > 0.0f ? top / m : 0.0f;
+      kernel::v8i isum = {};
+      for (int i = 0; i < 4; ++i) {
+        const kernel::v8i q = round8(v[i] * id);
+        const int64_t at = t * K + b * kActBlock + i * kW;
+        isum += q;
+        if (wide) {
+          const kernel::v8i hi = round8(__builtin_convertvector(q, v8f) * (1.0f / 255.0f));  // exact: never a tie
+          store_int8(a.xq + at, hi);
+          store_int8(a.xlo + at, q - hi * 255);
+        } else {
+          store_int8(a.xq + at, q);
+        }
+      }
+      const int32_t block_sum = isum[0] + isum[1] + isum[2] + isum[3] + isum[4] + isum[5] + isum[6] + isum[7];
+      a.xd[t * blocks + b] = d;
+      a.xisum[t * blocks + b] = block_sum;
+      gsum += d * static_cast<float>(block_sum);
+      if ((b + 1) % per_group == 0) {
+        a.xsum[t * (K / a.group_size) + b / per_group] = gsum;
+        gsum = 0.0f;
+      }
+    }
+  }
+}
+
+// ---- micro-kernels: acc[t][r] = y[t0 + t, 16p + r] for one panel ----
+
+#if defined(METRALE_QMM_AVX512)
+
+// 255 * hi + lo, the integer dot of int16 activations from their two int8 halves.
+inline __m512i combine(__m512i hi, __m512i lo) {
+  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), hi), lo);
+}
+
+template <int TT, int BITS, bool F16S, bool WIDE>
+void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
+  const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
+  const uint8_t* wq = w.q + p * panel_bytes(w);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const int32_t* xh[TT];  // 4 activation bytes per int32: int8 values, or the high halves of int16 ones
+  const int32_t* xl[TT];  // the low halves (WIDE)
+  const float* xd[TT];
+  const float* xs[TT];
+  for (int t = 0; t < TT; ++t) {
+    xh[t] = reinterpret_cast<const int32_t*>(a.xq + (t0 + t) * K);
+    xl[t] = WIDE ? reinterpret_cast<const int32_t*>(a.xlo + (t0 + t) * K) : nullptr;
+    xd[t] = a.xd + (t0 + t) * blocks;
+    xs[t] = a.xsum + (t0 + t) * groups;
+  }
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    alignas(64) float s16[R], m16[R];
+    load16<F16S>(w.scales, p * groups + g, s16);
+    load16<F16S>(w.biases, p * groups + g, m16);
+    const __m512 s = _mm512_load_ps(s16), m = _mm512_load_ps(m16);
+    for (int bb = 0; bb < per_group; ++bb) {
+      const int blk = g * per_group + bb;
+      __m512i ih[TT], il[TT];
+      for (int t = 0; t < TT; ++t) ih[t] = il[t] = _mm512_setzero_si512();
+      // chunk c of the block: 16 rows x 4 k, times 4 activation bytes of each token
+      auto dot = [&](__m512i v, int c) {
+        for (int t = 0; t < TT; ++t) {
+          ih[t] = _mm512_dpbusd_epi32(ih[t], v, _mm512_set1_epi32(xh[t][blk * 8 + c]));
+          if constexpr (WIDE) il[t] = _mm512_dpbusd_epi32(il[t], v, _mm512_set1_epi32(xl[t][blk * 8 + c]));
+        }
+      };
+      if constexpr (BITS == 4) {
+        for (int o = 0; o < 4; ++o, wq += 64) {
+          const __m512i v = _mm512_loadu_si512(wq);
+          dot(_mm512_and_si512(v, m4), 2 * o);
+          dot(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), 2 * o + 1);
+        }
+      } else {
+        for (int o = 0; o < 8; ++o, wq += 64) dot(_mm512_loadu_si512(wq), o);
+      }
+      for (int t = 0; t < TT; ++t) {
+        const __m512i ia = WIDE ? combine(ih[t], il[t]) : ih[t];
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s, _mm512_set1_ps(xd[t][blk])), acc[t]);
+      }
+    }
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t][g]), acc[t]);
+  }
+  for (int t = 0; t < TT; ++t) _mm512_storeu_ps(acc_out[t], acc[t]);
+}
+
+#elif defined(METRALE_QMM_AVX2)
+
+// 8 rows (one half of a panel) x 4 k per ymm. Returns the int32 row sums of one block of 32 k
+// against the int8 activations x32 (4 per int32): 4 bits accumulate the int16 pair sums of all 8
+// chunks (8 x 2 x 15 x 127 < 2^15) before widening; 8 bits widen every chunk (|q - 128| x |x| x 2
+// <= 32512 fits, two would not) and return sum (q - 128) x (the caller adds 128 sum x).
+template <int BITS>
+inline __m256i block_dot(const uint8_t* wq, int half, const int32_t* x32) {
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i s16 = _mm256_setzero_si256();
+    for (int o = 0; o < 4; ++o) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + half * 32));
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x32[2 * o])));
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x32[2 * o + 1])));
+    }
+    return _mm256_madd_epi16(s16, ones16);
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i s32 = _mm256_setzero_si256();
+    for (int o = 0; o < 8; ++o) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + half * 32));
+      const __m256i ws = _mm256_xor_si256(v, flip);  // q - 128 as int8
+      const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x32[o]), ws);
+      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), sx), ones16));
+    }
+    return s32;
+  }
+}
+
+template <int TT, int BITS, bool F16S, bool WIDE>
+void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
+  const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
+  const uint8_t* wq = w.q + p * panel_bytes(w);
+  const int block_bytes = kActBlock * R * BITS / 8;
+  __m256 acc[TT][2];
+  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    alignas(32) float s16[R], m16[R];
+    load16<F16S>(w.scales, p * groups + g, s16);
+    load16<F16S>(w.biases, p * groups + g, m16);
+    for (int bb = 0; bb < per_group; ++bb, wq += block_bytes) {
+      const int blk = g * per_group + bb;
+      for (int t = 0; t < TT; ++t) {
+        const int64_t row = t0 + t;
+        const int32_t* xh = reinterpret_cast<const int32_t*>(a.xq + row * K) + blk * 8;
+        const __m256 d = _mm256_set1_ps(a.xd[row * blocks + blk]);
+        for (int h = 0; h < 2; ++h) {
+          __m256i ia = block_dot<BITS>(wq, h, xh);
+          if constexpr (WIDE) {
+            const int32_t* xl = reinterpret_cast<const int32_t*>(a.xlo + row * K) + blk * 8;
+            ia = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), block_dot<BITS>(wq, h, xl));
+          }
+          if constexpr (BITS == 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(128 * a.xisum[row * blocks + blk]));
+          const __m256 sd = _mm256_mul_ps(_mm256_load_ps(s16 + 8 * h), d);
+          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, acc[t][h]);
+        }
+      }
+    }
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xs = _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]);
+      for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(_mm256_load_ps(m16 + 8 * h), xs, acc[t][h]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    _mm256_storeu_ps(acc_out[t], acc[t][0]);
+    _mm256_storeu_ps(acc_out[t] + 8, acc[t][1]);
+  }
+}
+
+#else  // scalar
+
+template <int TT, int BITS, bool F16S, bool WIDE>
+void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
+  const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
+  const uint8_t* wq = w.q + p * panel_bytes(w);
+  constexpr int chunks = BITS == 4 ? 4 : 8;  // 64-byte chunks per block of 32 k
+  float acc[TT][R] = {};
+  for (int g = 0; g < groups; ++g) {
+    float s[R], m[R];
+    load16<F16S>(w.scales, p * groups + g, s);
+    load16<F16S>(w.biases, p * groups + g, m);
+    for (int bb = 0; bb < per_group; ++bb) {
+      const int blk = g * per_group + bb;
+      int32_t ia[TT][R] = {};
+      for (int o = 0; o < chunks; ++o, wq += 64) {
+        for (int t = 0; t < TT; ++t) {
+          const int64_t at = (t0 + t) * K + blk * kActBlock + o * (BITS == 4 ? 8 : 4);
+          for (int r = 0; r < R; ++r) {
+            int32_t sum = 0;
+            for (int j = 0; j < 4; ++j) {
+              const int32_t byte = wq[4 * r + j];
+              // the int16 activation 255 hi + lo, or the int8 one
+              const int32_t x0 = WIDE ? 255 * a.xq[at + j] + a.xlo[at + j] : a.xq[at + j];
+              if constexpr (BITS == 4) {
+                const int32_t x1 = WIDE ? 255 * a.xq[at + 4 + j] + a.xlo[at + 4 + j] : a.xq[at + 4 + j];
+                sum += (byte & 15) * x0 + (byte >> 4) * x1;
+              } else {
+                sum += byte * x0;
+              }
+            }
+            ia[t][r] += sum;
+          }
+        }
+      }
+      for (int t = 0; t < TT; ++t) {
+        const float d = a.xd[(t0 + t) * blocks + blk];
+        for (int r = 0; r < R; ++r) acc[t][r] += static_cast<float>(ia[t][r]) * (s[r] * d);
+      }
+    }
+    for (int t = 0; t < TT; ++t)
+      for (int r = 0; r < R; ++r) acc[t][r] += m[r] * a.xsum[(t0 + t) * groups + g];
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < R; ++r) acc_out[t][r] = acc[t][r];
+}
+
+#endif
+
+// ---- the panel loop ----
+
+using TileFn = void (*)(const QmmWeights&, const QmmActs&, int64_t, int64_t, float[][R]);
+
+template <int BITS, bool F16S, bool WIDE, int... TT>
+constexpr auto make_tiles(std::integer_sequence<int, TT...>) {
+  struct Tiles { TileFn fn[sizeof...(TT)]; };
+  return Tiles{{tile<TT + 1, BITS, F16S, WIDE>...}};
+}
+
+// act(gate) * up of one 16-column tile row (GatedKind kind).
+inline void glu_row(int kind, const float* gate, const float* up, float* out) {
+  for (int c = 0; c < R; c += kW) {
+    const v8f g = kernel::load8(gate + c), u = kernel::load8(up + c);
+    kernel::store8(out + c, kind == static_cast<int>(GatedKind::silu) ? kernel::SiluMul{}(g, u)
+                                                                      : kernel::GeluTanhMul{}(g, u));
+  }
+}
+
+template <int BITS, bool F16S, bool WIDE>
+void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
+                int64_t t_begin, int64_t t_end) {
+  static constexpr auto tiles = make_tiles<BITS, F16S, WIDE>(std::make_integer_sequence<int, kMaxTile>{});
+  alignas(64) float acc[kMaxTile][R], up[kMaxTile][R];
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const int64_t col0 = (p - o.first_panel) * R;
+    const int cols = static_cast<int>(kernel::min_of<int64_t>(R, o.columns - col0));
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += kMaxTile) {
+      const int tt = static_cast<int>(kernel::min_of<int64_t>(kMaxTile, t_end - t0));
+      if (o.glu < 0) {
+        tiles.fn[tt - 1](w, a, p, t0, acc);
+      } else {  // pair p: gate panel 2p, up panel 2p + 1
+        tiles.fn[tt - 1](w, a, 2 * p, t0, acc);
+        tiles.fn[tt - 1](w, a, 2 * p + 1, t0, up);
+        for (int t = 0; t < tt; ++t) glu_row(o.glu, acc[t], up[t], acc[t]);
+      }
+      for (int t = 0; t < tt; ++t) std::memcpy(o.out + (t0 + t) * o.ld + col0, acc[t], sizeof(float) * cols);
+    }
+  }
+}
+
+template <bool WIDE>
+void panels_of(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
+               int64_t t_begin, int64_t t_end) {
+  if (w.bits == 4) {
+    (w.f16_scales ? run_panels<4, true, WIDE> : run_panels<4, false, WIDE>)(w, a, o, p_begin, p_end, t_begin, t_end);
+  } else {
+    (w.f16_scales ? run_panels<8, true, WIDE> : run_panels<8, false, WIDE>)(w, a, o, p_begin, p_end, t_begin, t_end);
+  }
+}
+
+inline void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
+                   int64_t t_begin, int64_t t_end) {
+  (a.xlo != nullptr ? panels_of<true> : panels_of<false>)(w, a, o, p_begin, p_end, t_begin, t_end);
+}
+
+}  // namespace metrale::METRALE_ISA_NS::qmm

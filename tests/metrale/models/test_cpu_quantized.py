@@ -1,0 +1,107 @@
+"""The default model on the quantized CPU kernels against the same model dequantized to float32
+(--dtype float32): greedy continuations, logits, and every instruction set (real model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.metrale.model_helpers import PagedHarness
+
+import mlx.core as mx  # noqa: E402  (model_helpers loads the fast BLAS first)
+
+from kernels import ext  # noqa: E402
+from kernels.qmm import QuantizedEmbeddingCPU, QuantizedLinearCPU  # noqa: E402
+from metrale.loading.default_model import ModelNotFoundError  # noqa: E402
+from metrale.loading.gguf import load_gguf  # noqa: E402
+from metrale.models.cpu_quantized import set_activation_bits  # noqa: E402
+
+pytestmark = [pytest.mark.real_model,
+              pytest.mark.skipif(not ext.has_qmm_kernels(), reason="kernels not built: python -m kernels.build")]
+
+PROMPTS = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):",
+    "Once upon a time, there was a",
+    "The three primary colors are",
+    "<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>assistant\n",
+]
+STEPS = 12
+# per activation precision: max |quantized - float32| over the vocab as a fraction of the float32
+# logits' range, and how many of the PROMPTS must continue identically for STEPS tokens
+LOGIT_TOL = {16: 2e-3, 8: 0.05}
+MIN_SAME = {16: len(PROMPTS) - 1, 8: len(PROMPTS) // 3}
+
+
+@pytest.fixture(scope="module")
+def models():
+    try:
+        return load_gguf(), load_gguf(dtype=mx.float32)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def float32_greedy(models):
+    return greedy(models[1], PROMPTS)
+
+
+def greedy(loaded, prompts, steps=STEPS):
+    """All prompts in one varlen batch per step over the paged cache: ([first-step logits (vocab,)
+    per prompt], [greedy continuation per prompt])."""
+    harness = PagedHarness(loaded.config, num_blocks=64, block_size=16)
+    ids = [loaded.tokenizer.encode(p) for p in prompts]
+    logits = harness.step(loaded.model, [(f"s{i}", p) for i, p in enumerate(ids)])
+    firsts = [chunk[-1] for chunk in logits]
+    outs = [[] for _ in prompts]
+    tokens = [int(mx.argmax(f).item()) for f in firsts]
+    for _ in range(steps):
+        for out, token in zip(outs, tokens):
+            out.append(token)
+        logits = harness.step(loaded.model, [(f"s{i}", [t]) for i, t in enumerate(tokens)])
+        tokens = [int(mx.argmax(chunk[-1]).item()) for chunk in logits]
+    return firsts, outs
+
+
+def test_default_model_keeps_its_quantization(models):
+    quantized, dequantized = models
+    assert quantized.describe_quantization() == "quantized weights: 4-bit group 32 x 210, 8-bit group 32 x 1"
+    layer = quantized.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinearCPU)
+    assert isinstance(quantized.model.model.embed_tokens, QuantizedEmbeddingCPU)  # also the tied lm_head
+    assert dequantized.quantization == {} and dequantized.describe_quantization() == "float32 weights"
+
+
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_greedy_and_logits_match_float32(models, float32_greedy, activation_bits):
+    """int16 activations (the default): the float32 model's tokens; int8 (llama.cpp's Q8): close."""
+    quantized, _ = models
+    set_activation_bits(quantized.model, activation_bits)
+    try:
+        q_firsts, q_outs = greedy(quantized, PROMPTS)
+    finally:
+        set_activation_bits(quantized.model, 16)
+    f_firsts, f_outs = float32_greedy
+    for prompt, q_first, f_first in zip(PROMPTS, q_firsts, f_firsts):
+        spread = (mx.max(f_first) - mx.min(f_first)).item()
+        assert mx.abs(q_first - f_first).max().item() < LOGIT_TOL[activation_bits] * spread, prompt
+    same = sum(q == f for q, f in zip(q_outs, f_outs))
+    assert same >= MIN_SAME[activation_bits], f"{same} of {len(PROMPTS)} continuations identical"
+
+
+@pytest.mark.parametrize("isa", [i for i in ext.supported_isas() if i != ext.cpu_isa()] or ["none"])
+def test_every_instruction_set_gives_the_same_logits(models, isa):
+    """The fallback (scalar) and AVX2 kernels run the same integer arithmetic as the best set: with
+    int16 activations the logits agree to float32 accumulation order (with int8 a rounding that
+    flips in one layer moves the logits by int8 noise, ~1% of their range)."""
+    if isa == "none":
+        pytest.skip("this CPU runs one kernel set")
+    quantized, _ = models
+    ids = quantized.tokenizer.encode(PROMPTS[0])
+    (want,) = PagedHarness(quantized.config).step(quantized.model, [("s", ids)])
+    ext.set_cpu_isa(isa)
+    try:
+        (got,) = PagedHarness(quantized.config).step(quantized.model, [("s", ids)])
+    finally:
+        ext.set_cpu_isa("auto")
+    assert mx.abs(got - want).max().item() < 1e-3 * (mx.max(want) - mx.min(want)).item()
