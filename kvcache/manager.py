@@ -10,6 +10,14 @@ A request's tokens and its block table, for block_size 4 (C: computed, N: new th
 Positions [num_computed_tokens, num_computed_tokens + num_new_tokens) are written this step; they
 always fall in blocks the request owns alone (ref_cnt 1). A block is hashed and registered in the
 cache when it becomes full of known tokens, once; later requests with the same prefix share it.
+
+Forking (parallel sampling, n > 1): a child takes references on its parent's full blocks and a
+fresh block for the partial one, whose K/V the runner copies before the next forward:
+
+    parent   | 7 | 2 | 9 (partial: p p p .) |
+    child    | 7 | 2 | 5 (copy of 9)        |     fork(...) -> [(9, 5)]  (src block, dst block)
+
+Every block held by several tables is full in each of them: nobody writes a shared block.
 """
 
 from __future__ import annotations
@@ -35,13 +43,14 @@ class KVSequence(Protocol):
 class _RequestBlocks:
     """The manager's record of one request: its table, block ids and full-block hashes."""
 
-    __slots__ = ("blocks", "block_ids", "hashes", "num_cached_blocks")
+    __slots__ = ("blocks", "block_ids", "hashes", "num_cached_blocks", "num_full_blocks")
 
     def __init__(self) -> None:
         self.blocks: list[KVCacheBlock] = []  # the block table, in token order
         self.block_ids: tuple[int, ...] = ()  # ids of `blocks`, rebuilt when blocks are added
         self.hashes: list[BlockHash] = []  # hashes of the request's first len(hashes) full blocks
         self.num_cached_blocks = 0  # leading blocks already registered in the cache (or tried)
+        self.num_full_blocks = 0  # leading blocks full of known tokens (read-only from then on)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -168,6 +177,7 @@ class KVCacheManager:
             rec.blocks.extend(computed)
             rec.blocks.extend(fresh)
             rec.block_ids = tuple(b.block_id for b in rec.blocks)
+        rec.num_full_blocks = max(rec.num_full_blocks, total // self.block_size)
         if self.enable_prefix_caching and total // self.block_size > rec.num_cached_blocks:
             self._cache_full_blocks(seq, rec, total // self.block_size)
         return [b.block_id for b in fresh]
@@ -234,6 +244,45 @@ class KVCacheManager:
                 self.pool.cache_block(block, hashes[i])
         rec.num_cached_blocks = num_full
 
+    def fork(self, parent_id: str, child: KVSequence, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child` (holding no blocks) the parent's K/V of its first `num_tokens` tokens.
+
+        The child takes a reference on each of the parent's full blocks among them, and a fresh
+        block for a partial last one, to be filled by copying the parent's block (copy on write:
+        the child writes its own tokens there next). The parent's tokens [0, num_tokens) must have
+        been computed (by a step that has run), and the child's first num_tokens tokens must be
+        the same; the caller sets the child's num_computed_tokens to num_tokens.
+
+        Returns:
+            The block copies to run before the next forward, [(src block id, dst block id)] or [],
+            or None when no block is free for the partial block (nothing changed then).
+        """
+        parent = self._records.get(parent_id)
+        num_held = len(parent.blocks) if parent is not None else 0
+        if num_tokens < 0 or num_held * self.block_size < num_tokens:
+            raise ValueError(f"cannot fork {num_tokens} tokens of request {parent_id!r}, which holds "
+                             f"{num_held} blocks of {self.block_size}")
+        rec = self._records.get(child.request_id)
+        if rec is not None and rec.blocks:
+            raise ValueError(f"request {child.request_id!r} already holds {len(rec.blocks)} blocks; cannot fork into it")
+        num_shared, partial = divmod(num_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        if rec is None:
+            rec = self._records[child.request_id] = _RequestBlocks()
+        shared = parent.blocks[:num_shared]
+        self.pool.touch(shared)
+        rec.blocks.extend(shared)
+        copies = []
+        if partial:
+            (fresh,) = self.pool.allocate(1)
+            rec.blocks.append(fresh)
+            copies.append((parent.blocks[num_shared].block_id, fresh.block_id))
+        rec.block_ids = tuple(b.block_id for b in rec.blocks)
+        rec.num_full_blocks = num_shared
+        rec.num_cached_blocks = num_shared  # the parent registered (or tried) them when they filled
+        return copies
+
     def block_table(self, request_id: str) -> list[int]:
         """The request's physical block ids in token order ([] for a request holding none)."""
         rec = self._records.get(request_id)
@@ -259,12 +308,13 @@ class KVCacheManager:
 
         Checks: free + used == total; the free queue holds exactly the ref_cnt-0 blocks; every
         ref count equals the number of tables holding the block; a block held by several tables
-        is a cached (full, read-only) one; no table repeats a block; no request outside
-        `live_request_ids` holds anything.
+        is full (read-only) in every one of them (a prefix-cache hit or a fork); no table repeats
+        a block; no request outside `live_request_ids` holds anything.
         """
         self.pool.check_integrity()
         live = set(live_request_ids)
         owners = [0] * self.pool.num_blocks
+        writable: dict[int, str] = {}  # block id -> a request that may still write it
         for rid, rec in self._records.items():
             if rid not in live:
                 raise RuntimeError(
@@ -274,11 +324,14 @@ class KVCacheManager:
                 raise RuntimeError(f"request {rid!r}: block id list disagrees with its table")
             if len(set(rec.block_ids)) != len(rec.block_ids):
                 raise RuntimeError(f"request {rid!r} holds a block twice: {rec.block_ids}")
-            for block in rec.blocks:
+            for index, block in enumerate(rec.blocks):
                 owners[block.block_id] += 1
+                if index >= rec.num_full_blocks:
+                    writable[block.block_id] = rid
         for block in self.pool.blocks:
             n = owners[block.block_id]
             if block.ref_cnt != n:
                 raise RuntimeError(f"block {block.block_id} ref_cnt {block.ref_cnt} != {n} owners")
-            if n > 1 and block.block_hash is None:
-                raise RuntimeError(f"block {block.block_id} is held by {n} requests but not cached")
+            if n > 1 and block.block_id in writable:
+                raise RuntimeError(f"block {block.block_id} is held by {n} requests but request "
+                                   f"{writable[block.block_id]!r} may still write it (not full)")

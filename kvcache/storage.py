@@ -139,6 +139,27 @@ class PagedKVCache:
             self._values[layer][slot_mapping] = values  # (num_slots, n_kv_heads, head_dim)
         return self._keys[layer], self._values[layer]
 
+    def copy_blocks(self, copies: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
+        """Copy whole blocks, `[(src block id, dst block id)]`, in every layer's K and V pools (a forked
+        request's copy of its parent's partial block). Lazy; the sources are read before any
+        destination is written, so a chain of copies sees the old contents."""
+        if not copies:
+            return
+        for src, dst in copies:
+            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks) or src == dst:
+                raise ValueError(f"block copy {src} -> {dst} is out of range for {self.num_blocks} blocks")
+        offsets = mx.arange(self.block_size, dtype=mx.int32)  # (block_size,)
+        src_slots = (mx.array([s for s, _ in copies], dtype=mx.int32)[:, None] * self.block_size + offsets).reshape(-1)
+        dst_slots = (mx.array([d for _, d in copies], dtype=mx.int32)[:, None] * self.block_size + offsets).reshape(-1)
+        # gathered first and evaluated (C * block_size rows per pool), so the scatters below can
+        # reuse their pools' buffers: nothing else still reads the old pools (see the module docstring)
+        keys = [pool[src_slots] for pool in self._keys]  # each (C * block_size, n_kv_heads, head_dim)
+        values = [pool[src_slots] for pool in self._values]
+        mx.eval(keys, values)
+        for layer in range(self.num_layers):
+            self._keys[layer][dst_slots] = keys[layer]
+            self._values[layer][dst_slots] = values[layer]
+
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "

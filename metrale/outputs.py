@@ -13,6 +13,7 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs carry it)
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -29,6 +30,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative, including this delta
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's n output sequences (parallel sampling)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta; None for the first token
 
     @property
     def finished(self) -> bool:
@@ -40,6 +44,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         self.text += later.text
         self.finish_reason = later.finish_reason
         self.num_output_tokens = later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
 

@@ -62,6 +62,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         word is banned when the output ends with its other tokens. The engine tokenizes each word with
         and without a leading space into bad_words_token_ids when the request is submitted.
     bad_words_token_ids: token-id sequences banned the same way (the engine adds the bad_words' here).
+    n: how many output sequences to sample from the prompt (parallel sampling). They share the prompt's
+        KV blocks; sequence i samples with seed + i when a seed is set, else from the engine's stream.
+    prompt_logprobs: None for none; k in 0..20 returns, for every prompt token after the first, its log
+        probability given the tokens before it plus the k most likely alternatives. The request then
+        computes its whole prompt (no prefix-cache reads).
     structured_outputs: a JSON schema, regex, choice list or grammar the output must satisfy
         (metrale.structured_outputs; needs the `metrale[structured]` extra). The output ends with
         finish_reason "stop" as soon as the constraint is complete, even under ignore_eos/min_tokens.
@@ -88,6 +93,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     bad_words: tuple[str, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured_outputs: StructuredOutputs | None = None
+    n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -121,6 +128,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         force(self, "bad_words_token_ids", _normalize_sequences(self.bad_words_token_ids))
         if self.structured_outputs is not None:
             force(self, "structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
+        _check_int("n", self.n, 1, None)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
 
     # ---- derived ----
 
@@ -145,6 +155,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings as a tuple (empty when there are none)."""
         return self.stop or ()  # type: ignore[return-value]  # normalized to a tuple in __post_init__
+
+    def for_sequence(self, index: int) -> "SamplingParams":
+        """The params of output sequence `index` of n: one sequence, seed + index (wrapping in 64 bits);
+        prompt logprobs only on sequence 0, the one that computes the prompt."""
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed + index) % (2**64) if seed >= 0 else seed + index
+        return msgspec.structs.replace(self, n=1, seed=seed,
+                                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     # ---- decoding (HTTP server, config files) ----
 

@@ -51,12 +51,15 @@ class SchedulerOutput:
         preempted_request_ids: requests whose blocks were freed this step (to be recomputed).
         block_size: tokens per KV block (slot = block_table[pos // block_size] * block_size +
             pos % block_size).
+        block_copies: (src block id, dst block id) pairs whose K/V the runner copies, once, before
+            this step's forward: the partial blocks of requests forked since the last step.
     """
 
     scheduled: tuple[ScheduledRequest, ...]
     num_batched_tokens: int
     preempted_request_ids: tuple[str, ...]
     block_size: int
+    block_copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

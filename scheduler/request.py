@@ -67,13 +67,17 @@ class Request:
         | known tokens ... x_L | d1 d2 d3 |        step: computes x_L d1 d2 d3 (1 + k positions)
         | known ... x_L d1 d2 t |               2 drafts accepted, t = the target's own next token
                    computed: up to d2; t is the new last known token
+
+    `num_cached_tokens`: prompt tokens found in the prefix cache when the request was first admitted
+    (-1 until then; a recompute after preemption does not change it). `skip_reading_prefix_cache`:
+    compute every prompt token (the runner needs their logits, e.g. for prompt logprobs).
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "max_tokens", "eos_token_ids", "stop_token_ids",
         "ignore_eos", "min_tokens", "priority", "arrival_time", "cache_salt",
         "num_computed_tokens", "status", "num_preemptions", "spec_token_ids", "num_spec_tokens",
-        "_all_token_ids",
+        "num_cached_tokens", "skip_reading_prefix_cache", "_all_token_ids",
     )
 
     def __init__(
@@ -89,6 +93,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         output_token_ids: Iterable[int] = (),
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(map(operator.index, prompt_token_ids))
@@ -105,6 +110,8 @@ class Request:
         self.num_preemptions = 0
         self.spec_token_ids: tuple[int, ...] = ()  # drafts proposed for the next step
         self.num_spec_tokens = 0  # how many drafts (== len(spec_token_ids) unless the runner proposes them)
+        self.num_cached_tokens = -1  # prefix-cache hits at the first admission
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
         # prompt + output in one list: all_token_ids is on the per-step path and must be O(1).
         self._all_token_ids = [*self.prompt_token_ids, *map(operator.index, output_token_ids)]
 

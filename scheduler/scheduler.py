@@ -9,6 +9,10 @@ scheduled request gets `num_new` tokens so that num_computed_tokens catches up w
 A prompt chunk, a prefix-cache hit and a decode token are the same path. The chunk samples when
 it reaches num_tokens; `schedule()` advances num_computed_tokens, `update()` appends the sampled
 token and finishes the request on eos / stop token ids / max_tokens.
+
+Parallel sampling: `add(parent, forks=children)` queues a group; the children fork from the parent
+when its prompt has been computed (scheduler/forks.py), and the partial-block copies that forking
+needs ride in the next SchedulerOutput's `block_copies`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any
 from kvcache.manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.admission import check_admissible
-from scheduler.errors import DuplicateRequestError, QueueFullError
+from scheduler.errors import DuplicateRequestError, InvalidParamsError, QueueFullError
+from scheduler.forks import PendingForks
 from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
 from scheduler.queue import WaitingQueue, make_waiting_queue
 from scheduler.request import Request, RequestStatus
@@ -41,7 +46,8 @@ class Scheduler:
     output tokens and goes back to the front of the waiting queue to be recomputed (the prefix
     cache usually gives its blocks back). That victim is the last of the running list, so it never
     already holds a slot in the step: no blocks are cached for tokens that will not be computed.
-    No request is admitted in a step that preempted.
+    No request is admitted in a step that preempted. A request group (parallel sampling) is admitted
+    when max_num_seqs has room for all of its sequences.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -66,6 +72,8 @@ class Scheduler:
             self._urgency = lambda r: r.arrival_time
         self._running: list[Request] = []
         self._waiting: WaitingQueue = make_waiting_queue(config.policy)
+        self._forks = PendingForks()  # children waiting for their parent's prompt
+        self._pending_copies: dict[str, list[tuple[int, int]]] = {}  # child id -> its block copies, for the next step
         self.num_preemptions = 0  # total over the scheduler's life
 
     @property
@@ -74,8 +82,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Waiting requests, preempted ones included."""
-        return len(self._waiting)
+        """Waiting requests, preempted ones and children waiting for their parent's prompt included."""
+        return len(self._waiting) + len(self._forks)
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -89,26 +97,46 @@ class Scheduler:
         """The unfinished request with this id, or None."""
         return self._requests.get(request_id)
 
-    def add(self, request: Request) -> None:
-        """Queue a new request (status WAITING).
+    def add(self, request: Request, forks: Sequence[Request] = ()) -> None:
+        """Queue a new request (status WAITING), with `forks`: more sequences of the same prompt
+        (parallel sampling) that fork from it once its prompt is computed.
 
         Raises:
-            DuplicateRequestError: a request with this id is in flight.
+            DuplicateRequestError: a request with one of these ids is in flight.
             RequestRejectedError: the request can never be served (empty prompt, bad params,
-                prompt + max_tokens > max_model_len, more KV blocks than the whole pool).
+                prompt + max_tokens > max_model_len, more KV blocks than the whole pool, forks with
+                another prompt, more sequences than max_num_seqs).
             QueueFullError: the waiting queue holds max_waiting requests; retry later.
         A rejected request changes nothing.
         """
-        if isinstance(request.request_id, str) and request.request_id in self._requests:
-            raise DuplicateRequestError(f"request {request.request_id!r} is already in flight")
-        check_admissible(request, self.config, self.kv_cache_manager)
+        group = (request, *forks)
+        ids = [r.request_id for r in group]
+        for rid in ids:
+            if isinstance(rid, str) and (rid in self._requests or ids.count(rid) > 1):
+                raise DuplicateRequestError(f"request {rid!r} is already in flight")
+        for member in group:
+            check_admissible(member, self.config, self.kv_cache_manager)
+        self._check_forks(request, forks)
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(
                 f"waiting queue is full ({len(self._waiting)} of {self.config.max_waiting} "
                 f"requests); request {request.request_id!r} rejected"
             )
-        self._requests[request.request_id] = request
+        self._requests.update((member.request_id, member) for member in group)
         self._waiting.push(request)
+        self._forks.add(request.request_id, list(forks))
+
+    def _check_forks(self, request: Request, forks: Sequence[Request]) -> None:
+        if 1 + len(forks) > self.config.max_num_seqs:
+            raise InvalidParamsError(
+                f"request {request.request_id!r}: {1 + len(forks)} sequences, but at most max_num_seqs "
+                f"({self.config.max_num_seqs}) run at once"
+            )
+        for fork in forks:
+            if fork.prompt_token_ids != request.prompt_token_ids or fork.num_output_tokens:
+                raise InvalidParamsError(
+                    f"request {fork.request_id!r} must have the prompt of {request.request_id!r} to fork from it"
+                )
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step and advance num_computed_tokens of every scheduled request."""
@@ -172,19 +200,41 @@ class Scheduler:
 
     def _schedule_waiting(self, num_new: dict[str, int], budget: int) -> None:
         kv = self.kv_cache_manager
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+        seats = len(self._running) + self._forks.num_seats(lambda rid: self._requests[rid].status is _RUNNING)
+        while self._waiting and budget > 0:
             req = self._waiting.peek()
-            blocks, num_hit = kv.get_computed_blocks(req)  # never the whole sequence
-            n = min(req.num_tokens - num_hit, budget)
+            group = 1 + self._forks.count(req.request_id)
+            if seats + group > self.config.max_num_seqs:
+                break
+            blocks, num_hit = ([], 0) if req.skip_reading_prefix_cache else kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)  # the lookup never covers the whole sequence
             got = kv.allocate_slots(req, n, computed_blocks=blocks, num_computed_tokens=num_hit)
             if got is None:
                 break  # the head waits for blocks; nobody overtakes it
             self._waiting.pop()
             req.status = _RUNNING
             req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
             bisect.insort(self._running, req, key=self._urgency)  # after equal keys
             num_new[req.request_id] = n
             budget -= n
+            seats += group
+
+    def _fork_children(self, parent: Request) -> None:
+        """Fork the children of `parent`, whose prompt the step being applied has computed."""
+        for child in self._forks.pop(parent.request_id):
+            num_shared = parent.num_prompt_tokens - 1  # the child computes the last prompt token itself
+            copies = self.kv_cache_manager.fork(parent.request_id, child, num_shared)
+            if copies is None:  # no block for its copy: it computes its prompt itself
+                self._waiting.push_preempted(child)
+                continue
+            child.status = _RUNNING
+            child.num_computed_tokens = num_shared
+            child.num_cached_tokens = parent.num_cached_tokens
+            bisect.insort(self._running, child, key=self._urgency)
+            if copies:
+                self._pending_copies[child.request_id] = copies
 
     def _build_output(self, num_new: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
         scheduled = []
@@ -207,11 +257,16 @@ class Scheduler:
             req.spec_token_ids, req.num_spec_tokens = (), 0
         for req in self._running:  # drafts of requests that got no slot this step are stale next step
             req.spec_token_ids, req.num_spec_tokens = (), 0
+        # a child preempted before its copy ran has freed the copy's block: its copy is dropped
+        copies = tuple(c for rid, pairs in self._pending_copies.items() if self._requests.get(rid) is not None
+                       and self._requests[rid].status is _RUNNING for c in pairs)
+        self._pending_copies = {}
         return SchedulerOutput(
             scheduled=tuple(scheduled),
             num_batched_tokens=sum(s.num_tokens for s in scheduled),
             preempted_request_ids=tuple(r.request_id for r in preempted),
             block_size=self.config.block_size,
+            block_copies=copies,
         )
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[RequestEvent]:
@@ -231,6 +286,8 @@ class Scheduler:
         events = []
         any_finished = False
         for req, num_drafts, tokens in pending:
+            if self._forks.count(req.request_id):  # its first token: its prompt is computed
+                self._fork_children(req)
             req.num_computed_tokens -= num_drafts - (len(tokens) - 1)  # roll back over rejected drafts
             appended: list[int] = []
             status = None
@@ -296,7 +353,8 @@ class Scheduler:
         """End a request with a finished status and free its blocks: the one free path.
 
         Idempotent: unknown or already finished ids return None and change nothing. A request
-        finished between `schedule()` and `update()` is skipped by that update. `discard_cached`
+        finished between `schedule()` and `update()` is skipped by that update. Children still
+        waiting for this request's prompt become ordinary waiting requests. `discard_cached`
         drops the prefix-cache hashes of its blocks (their KV may be unwritten: a failed step);
         None means "when the status is FINISHED_ERROR".
 
@@ -310,11 +368,13 @@ class Scheduler:
             return None
         if req.status is _RUNNING:
             self._running.remove(req)
-        else:
+        elif not self._forks.remove(req):
             self._waiting.remove(req)
         if discard_cached is None:
             discard_cached = status is RequestStatus.FINISHED_ERROR
         self._release(req, status, discard_cached)
+        for orphan in reversed(self._forks.pop(request_id)):  # at the front, in their order
+            self._waiting.push_preempted(orphan)
         return RequestEvent(request_id, (), status.finish_reason)
 
     def _release(self, req: Request, status: RequestStatus, discard_cached: bool = False) -> None:
@@ -325,15 +385,20 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise RuntimeError with the numbers if scheduler or KV accounting is inconsistent."""
-        running, waiting = self._running, list(self._waiting)
+        running, waiting, forks = self._running, list(self._waiting), list(self._forks)
         if len(running) > self.config.max_num_seqs:
             raise RuntimeError(f"{len(running)} running > max_num_seqs {self.config.max_num_seqs}")
-        if len(running) + len(waiting) != len(self._requests):
+        if len(running) + len(waiting) + len(forks) != len(self._requests):
             raise RuntimeError(
-                f"running {len(running)} + waiting {len(waiting)} != {len(self._requests)} requests"
+                f"running {len(running)} + waiting {len(waiting)} + forking {len(forks)} "
+                f"!= {len(self._requests)} requests"
             )
+        for child in forks:
+            parent = self._requests.get(self._forks.parent_of(child.request_id) or "")
+            if parent is None or child.status is not RequestStatus.WAITING or child.num_computed_tokens:
+                raise RuntimeError(f"request {child!r} waits to fork from {parent!r}")
         bs = self.config.block_size
-        for req in running + waiting:
+        for req in running + waiting + forks:
             if self._requests.get(req.request_id) is not req:
                 raise RuntimeError(f"request {req.request_id!r} is queued twice or not registered")
             table = self.kv_cache_manager.block_table(req.request_id)
@@ -345,7 +410,7 @@ class Scheduler:
         for req in running:
             if req.status is not _RUNNING:
                 raise RuntimeError(f"request {req.request_id!r} is running with {req.status.name}")
-        for req in waiting:
+        for req in waiting + forks:
             if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or (
                 req.num_computed_tokens or self.kv_cache_manager.block_table(req.request_id)
             ):

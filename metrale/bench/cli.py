@@ -20,6 +20,7 @@ DESCRIPTION = """Load-test metrale in process, or any OpenAI-compatible server w
     metrale bench --base-url http://127.0.0.1:8000 --request-rate 0.5 --burstiness 0.5
     metrale bench --max-concurrency 1 8 32          # a sweep: one run per value, plus a throughput plot
     metrale bench --dataset chat --chat-system-len 300
+    metrale bench --request-rate 1 --goodput ttft:500 tpot:100   # + requests meeting both SLOs
     metrale bench --dataset sharegpt --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json
     metrale bench --soak --soak-duration 600 --request-rate 1   # 20% cancelled, RSS + KV blocks, PASS/FAIL
 
@@ -71,6 +72,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--result-filename", default=None, help="JSON file name (default: from target and time)")
     out.add_argument("--label", default="")
     out.add_argument("--percentiles", type=float, nargs="+", default=[99.0], help="besides mean/median/std")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="SLOs, any of ttft:MS tpot:MS e2el:MS: also report the requests meeting all of them "
+                          "(request_goodput in req/s and their share), as vLLM bench's --goodput")
     out.add_argument("--no-save", action="store_true", help="print only")
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
@@ -88,6 +92,13 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     if args.soak and args.base_url:
         print("metrale bench: --soak runs in process; leave out --base-url", file=sys.stderr)
+        return 2
+    from metrale.bench.stats import GoodputSLOs
+
+    try:
+        args.slos = GoodputSLOs.parse(args.goodput) if args.goodput is not None else None
+    except ValueError as error:
+        print(f"metrale bench: --goodput: {error}", file=sys.stderr)
         return 2
     return asyncio.run(_soak(args) if args.soak else _bench(args))
 
@@ -151,7 +162,7 @@ async def _bench(args: argparse.Namespace) -> int:
             label = args.label or f"{target.name} {args.dataset}, {describe(rate, args.burstiness, conc)}"
             result = await run_benchmark(target, requests, settings, warmups=warm, label=label,
                                          percentiles=args.percentiles, show_progress=not args.no_progress,
-                                         extra={"dataset": args.dataset})
+                                         slos=args.slos, extra={"dataset": args.dataset})
             print(format_result(result), flush=True)
             results.append(result)
     if len(results) > 1:

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from metrale.bench.arrivals import arrival_offsets
-from metrale.bench.stats import DEFAULT_PERCENTILES, RequestRecord, details, summarize
+from metrale.bench.stats import DEFAULT_PERCENTILES, GoodputSLOs, RequestRecord, details, summarize
 from metrale.bench.progress import Progress
 from metrale.bench.targets import Target
 from metrale.bench.workloads import BenchRequest
@@ -103,9 +103,10 @@ async def run_requests(target: Target, requests: Sequence[BenchRequest], setting
 async def run_benchmark(target: Target, requests: Sequence[BenchRequest], settings: BenchSettings = BenchSettings(),
                         *, warmups: Sequence[BenchRequest] = (), label: str = "",
                         percentiles: Sequence[float] = DEFAULT_PERCENTILES, show_progress: bool = True,
-                        extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                        slos: GoodputSLOs | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Warm up (all warm-up requests at once, not counted), run, and summarize into one result
-    dict with vLLM's field names plus the settings and per-request details."""
+    dict with vLLM's field names (goodput too when `slos` are given) plus the settings and
+    per-request details."""
     if warmups:
         warm, _ = await run_requests(target, warmups)
         failed = [r.error for r in warm if r.error]
@@ -122,6 +123,6 @@ async def run_benchmark(target: Target, requests: Sequence[BenchRequest], settin
         **(extra or {}),
     }
     result["request_rate"] = "inf" if math.isinf(settings.request_rate) else settings.request_rate
-    result.update(summarize(records, duration, percentiles))
+    result.update(summarize(records, duration, percentiles, slos))
     result["details"] = details(records)
     return result

@@ -43,8 +43,14 @@ def format_result(result: dict[str, Any], title: str = "Serving Benchmark Result
               _row("Benchmark duration (s):", result["duration"]),
               _row("Total input tokens:", result["total_input_tokens"]),
               _row("Total generated tokens:", result["total_output_tokens"]),
-              _row("Request throughput (req/s):", result["request_throughput"]),
-              _row("Output token throughput (tok/s):", result["output_throughput"]),
+              _row("Request throughput (req/s):", result["request_throughput"])]
+    if "request_goodput" in result:
+        slos = " ".join(f"{k}:{v:g}" for k, v in result["goodput_slos_ms"].items())
+        lines += [_row("Goodput SLOs (ms):", slos),
+                  _row("Request goodput (req/s):", result["request_goodput"]),
+                  _row("Requests meeting all SLOs:",
+                       f"{result['good_requests']} ({result['request_goodput_ratio']:.0%})")]
+    lines += [_row("Output token throughput (tok/s):", result["output_throughput"]),
               _row("Total token throughput (tok/s):", result["total_token_throughput"])]
     for metric in LATENCY_METRICS:
         upper = metric.upper()
@@ -61,15 +67,19 @@ def format_result(result: dict[str, Any], title: str = "Serving Benchmark Result
 
 
 def format_sweep(results: Sequence[dict[str, Any]]) -> str:
-    """One line per run of a sweep: the settings, throughput and the p99 latencies."""
-    header = (f"{'rate':>8} {'conc':>5} {'ok':>4} {'fail':>4} {'req/s':>7} {'out tok/s':>10} "
-              f"{'p99 TTFT ms':>12} {'p99 TPOT ms':>12} {'p99 ITL ms':>11} {'p99 E2EL ms':>12}")
+    """One line per run of a sweep: the settings, throughput (and goodput) and the p99 latencies."""
+    with_goodput = any("request_goodput" in r for r in results)
+    header = (f"{'rate':>8} {'conc':>5} {'ok':>4} {'fail':>4} {'req/s':>7} "
+              + (f"{'good req/s':>10} {'good':>5} " if with_goodput else "")
+              + f"{'out tok/s':>10} {'p99 TTFT ms':>12} {'p99 TPOT ms':>12} {'p99 ITL ms':>11} {'p99 E2EL ms':>12}")
     lines = [header]
     for r in results:
         conc = r.get("max_concurrency")
         rate = r["request_rate"]
+        good = (f"{r.get('request_goodput', 0.0):>10.2f} {r.get('request_goodput_ratio', 0.0):>5.0%} "
+                if with_goodput else "")
         lines.append(f"{rate if isinstance(rate, str) else format(rate, '.3g'):>8} {str(conc if conc is not None else '-'):>5} "
-                     f"{r['completed']:>4} {r['failed']:>4} {r['request_throughput']:>7.2f} "
+                     f"{r['completed']:>4} {r['failed']:>4} {r['request_throughput']:>7.2f} {good}"
                      f"{r['output_throughput']:>10.1f} {r.get('p99_ttft_ms', 0.0):>12.0f} "
                      f"{r.get('p99_tpot_ms', 0.0):>12.0f} {r.get('p99_itl_ms', 0.0):>11.0f} "
                      f"{r.get('p99_e2el_ms', 0.0):>12.0f}")

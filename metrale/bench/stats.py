@@ -5,6 +5,8 @@
     TPOT  (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token
     ITL   the gap between successive output chunks, one value per gap (a chunk that carries several
           tokens, e.g. merged deltas, is one gap, as in vLLM)
+    goodput  completed requests that meet every given SLO (`GoodputSLOs`, vLLM's --goodput), per
+          second ("request_goodput") and as a share of the requests sent ("request_goodput_ratio")
 
 Only completed requests count in the latencies and token totals. A request that raised, got an
 error event mid-stream, or ended without its final event is `failed`; one the client cancelled on
@@ -13,12 +15,14 @@ purpose (soak mode) is `cancelled` and counts in neither. Durations are in ms in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+LATENCY_SLOS = ("ttft", "tpot", "e2el")  # what --goodput can bound, per request
 DEFAULT_PERCENTILES = (99.0,)  # vLLM's --metric-percentiles default
 
 
@@ -58,6 +62,67 @@ class RequestRecord:
         return [b - a for a, b in zip(times, times[1:])]
 
 
+@dataclass(frozen=True)
+class GoodputSLOs:
+    """Service level objectives in ms (vLLM's `--goodput ttft:MS tpot:MS e2el:MS`, any subset).
+
+    A request is good when it completed and each given SLO holds for it: TTFT <= ttft_ms,
+    TPOT = (E2EL - TTFT) / (output tokens - 1) <= tpot_ms (0 for a one-token request, as in vLLM),
+    E2EL <= e2el_ms."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        given = self.as_dict()
+        if not given:
+            raise ValueError("goodput needs at least one SLO: ttft, tpot or e2el")
+        for name, value in given.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"the {name} SLO must be a finite number of ms >= 0, got {value}")
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> "GoodputSLOs":
+        """From "name:ms" items, e.g. ["ttft:500", "tpot:50"]; ValueError names a bad item."""
+        slos: dict[str, float] = {}
+        for item in items:
+            name, sep, value = item.partition(":")
+            if not sep or name not in LATENCY_SLOS:
+                raise ValueError(f"bad goodput SLO {item!r}: give name:ms with name one of {', '.join(LATENCY_SLOS)}")
+            if name in slos:
+                raise ValueError(f"goodput SLO {name!r} given twice")
+            try:
+                slos[name] = float(value)
+            except ValueError:
+                raise ValueError(f"bad goodput SLO {item!r}: {value!r} is not a number of ms") from None
+        return cls(**{f"{name}_ms": ms for name, ms in slos.items()})
+
+    def as_dict(self) -> dict[str, float]:
+        """The given SLOs by metric name, in ms: {"ttft": 500.0, ...}."""
+        values = {"ttft": self.ttft_ms, "tpot": self.tpot_ms, "e2el": self.e2el_ms}
+        return {name: float(ms) for name, ms in values.items() if ms is not None}
+
+    def met_by(self, record: RequestRecord) -> bool:
+        """Did this request complete within every SLO?"""
+        if not record.ok:
+            return False
+        if self.ttft_ms is not None and (record.ttft is None or record.ttft * 1e3 > self.ttft_ms):
+            return False
+        if self.tpot_ms is not None and (record.tpot or 0.0) * 1e3 > self.tpot_ms:
+            return False
+        return self.e2el_ms is None or record.e2el * 1e3 <= self.e2el_ms
+
+
+def goodput(records: Sequence[RequestRecord], duration_s: float, slos: GoodputSLOs) -> dict[str, Any]:
+    """vLLM's request_goodput (good requests per second), with the count and the share of the
+    requests sent (cancelled-on-purpose ones left out; failed ones count as not good)."""
+    sent = [r for r in records if not (r.cancelled and r.error is None)]
+    good = sum(1 for r in sent if slos.met_by(r))
+    return {"goodput_slos_ms": slos.as_dict(), "good_requests": good, "request_goodput": good / duration_s,
+            "request_goodput_ratio": good / len(sent) if sent else 0.0}
+
+
 def latency_samples(records: Iterable[RequestRecord]) -> dict[str, list[float]]:
     """The completed requests' samples in seconds: {"ttft": [...], "tpot": [...], "itl": [...], "e2el": [...]}."""
     samples: dict[str, list[float]] = {name: [] for name in LATENCY_METRICS}
@@ -74,9 +139,10 @@ def latency_samples(records: Iterable[RequestRecord]) -> dict[str, list[float]]:
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float,
-              percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
-    """vLLM's BenchmarkMetrics fields: completed, failed, totals, throughputs, and mean / median /
-    std / p<N> of ttft_ms, tpot_ms, itl_ms, e2el_ms (0 where there are no samples, as in vLLM)."""
+              percentiles: Sequence[float] = DEFAULT_PERCENTILES, slos: GoodputSLOs | None = None) -> dict[str, Any]:
+    """vLLM's BenchmarkMetrics fields: completed, failed, totals, throughputs, goodput when `slos`
+    are given, and mean / median / std / p<N> of ttft_ms, tpot_ms, itl_ms, e2el_ms (0 where there
+    are no samples, as in vLLM)."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = [r for r in records if r.ok]
@@ -93,6 +159,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
     }
+    if slos is not None:
+        result.update(goodput(records, duration_s, slos))
     for name, values in latency_samples(records).items():
         result.update(_distribution(name, values, percentiles))
     return result

@@ -154,12 +154,13 @@ def parse_event(event: dict[str, Any]) -> Chunk | None:
         error = event["error"]
         message = error.get("message", error) if isinstance(error, dict) else error
         raise TargetError(f"error event mid-stream: {message}")
-    usage = event.get("usage")
-    if usage:
-        return Chunk(0, prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"))
+    usage = event.get("usage") or {}
+    has_text = False
     for choice in event.get("choices") or ():
         delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-        if text:
-            return Chunk(1)
-    return None
+        has_text = has_text or bool(delta.get("content") if isinstance(delta, dict) else choice.get("text"))
+    if not (usage or has_text):
+        return None
+    # llama-server puts usage on the last choice event; under load it may carry text too (merged tokens)
+    return Chunk(1 if has_text else 0, prompt_tokens=usage.get("prompt_tokens"),
+                 completion_tokens=usage.get("completion_tokens"))

@@ -11,6 +11,7 @@ A ForwardInput:
     query_lens    [5, 1, 1]              new tokens per sequence                          (S,)
     context_lens  [21, 41, 8]            cached prefix + new tokens per sequence          (S,)
     block_tables  ((..), (..), (..))     each sequence's pool blocks, in order            (S, *)
+    block_copies  ((src, dst), ...)      forked requests' partial blocks, copied first in every pool
 
 Every rank builds the same AttentionMetadata from a ForwardInput and runs the model over its own share of the
 weights and its own kv heads' paged pools; the all_sums inside the model keep the ranks in step.
@@ -54,9 +55,13 @@ class ForwardInput:
     context_lens: tuple[int, ...]
     block_tables: tuple[tuple[int, ...], ...]
     block_size: int
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     def run(self, model: nn.Module, kv_cache: PagedKVCache, backend: str | None) -> mx.array:
-        """The model's final hidden states (T, D), lazy; this step's K/V are written to `kv_cache`."""
+        """The model's final hidden states (T, D), lazy; this step's block copies, then its K/V, are
+        written to `kv_cache`."""
+        if self.block_copies:
+            kv_cache.copy_blocks(self.block_copies)
         metadata = AttentionMetadata.build(self.query_lens, self.context_lens, self.block_tables, self.block_size,
                                            backend=backend)
         return model(mx.array(self.token_ids, dtype=mx.int32), metadata.positions, kv_cache, metadata)  # (T, D)

@@ -32,7 +32,7 @@ from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner, weights_dtype
-from metrale.engine.stream import OutputChannel, RequestStream
+from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
                             PromptTooLongError, RequestRejectedError, StructuredOutputUnavailableError)
 from metrale.failpoints import Failpoints
@@ -221,7 +221,7 @@ class AsyncEngine:
     # ---- submission ----
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, priority: int = 0) -> RequestStream:
+                 request_id: str | None = None, priority: int = 0) -> RequestStream | GroupStream:
         """Queue a request and return its stream. Raises a RequestRejectedError (bad input, too long,
         queue full, duplicate id) or an EngineUnavailableError (not running, draining, dead); nothing
         is queued then."""
@@ -256,7 +256,7 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, functools.partial(fn, *args, **kwargs))
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream:
+             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream | GroupStream:
         """Render the model's chat template over messages (and `tools`, given to the template as Hugging
         Face's apply_chat_template passes them), then `generate` from it."""
         with self._counting_rejections():
@@ -291,7 +291,10 @@ class AsyncEngine:
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0) -> CompletionResult:
-        """Run a request to the end and return its whole result (raises RequestFailedError on error)."""
+        """Run a request to the end and return its whole result (raises RequestFailedError on error).
+        One sequence: iterate `generate` for params.n > 1."""
+        if params is not None and params.n != 1:
+            raise ValueError(f"complete() returns one sequence; n must be 1, got {params.n} (iterate generate())")
         return await collect_result(self.generate(prompt, params, request_id=request_id, priority=priority))
 
     def abort(self, request_id: str, *, channel: OutputChannel | None = None) -> bool:
@@ -339,13 +342,23 @@ class AsyncEngine:
         return self._inputs
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-                priority: int) -> RequestStream:
+                priority: int) -> RequestStream | GroupStream:
+        """One sequence (a RequestStream), or params.n sequences sharing the prompt (a GroupStream whose
+        deltas carry their sequence's index; sequence i is request `request_id#i`, 0 is `request_id`)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        text = self._outputs.new_request(prompt_ids, params, request_id)
-        channel = self._core.submit(request_id, prompt_ids, params, text, priority=priority,
-                                    eos_token_ids=self._inputs.tokenizer.eos_token_ids,
-                                    max_tokens=self._max_tokens(params, len(prompt_ids)))
-        return RequestStream(channel, functools.partial(self.abort, channel=channel))
+        max_tokens = self._max_tokens(params, len(prompt_ids))
+        eos = self._inputs.tokenizer.eos_token_ids
+        if params.n == 1:
+            text = self._outputs.new_request(prompt_ids, params, request_id)
+            channel = self._core.submit(request_id, prompt_ids, params, text, priority=priority,
+                                        eos_token_ids=eos, max_tokens=max_tokens)
+            return RequestStream(channel, functools.partial(self.abort, channel=channel))
+        ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
+        sequences = [params.for_sequence(i) for i in range(params.n)]
+        texts = [self._outputs.new_request(prompt_ids, p, rid) for rid, p in zip(ids, sequences)]
+        channels = self._core.submit_group(ids, prompt_ids, sequences, texts, priority=priority,
+                                           eos_token_ids=eos, max_tokens=max_tokens)
+        return GroupStream(channels, lambda channel: self.abort(channel.request_id, channel=channel))
 
     def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """params.max_tokens, or when it is None the room left in the context and in the KV pool."""
@@ -387,6 +400,10 @@ class AsyncEngine:
         if self._inputs is None:
             raise EngineNotRunningError("engine not started")
         return self._inputs.vocab_size
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a token sequence (special tokens kept), e.g. a prompt given as ids, echoed back."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([token_id]) for token_id in token_ids]

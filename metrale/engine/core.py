@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from metrale.engine.executor import StepExecutor, StepOutcome
 from metrale.engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.request_state import RequestState
-from metrale.engine.runner import ModelRunner, SamplingRow, StepInput
+from metrale.engine.runner import ModelRunner, PromptLogprobsRow, SamplingRow, StepInput
 from metrale.engine.stream import OutputChannel
 from metrale.errors import EngineDeadError
 from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
@@ -34,6 +35,16 @@ from scheduler import Request, RequestEvent, RequestStatus, Scheduler, Scheduler
 
 logger = logging.getLogger(__name__)
 FATAL_FAILED_STEPS = 3  # steps in a row in which requests failed and none succeeded
+
+
+class _Group:
+    """The sequences of one request with n > 1 (parallel sampling): its first id and the ids still live."""
+
+    __slots__ = ("head", "live")
+
+    def __init__(self, head: str, live: list[str]) -> None:
+        self.head = head
+        self.live = live
 
 
 class EngineCore:
@@ -60,6 +71,8 @@ class EngineCore:
         self._prefix_seen = (0, 0)
         self._speculator = speculator
         self._finished_since_step: list[str] = []  # told to the runner with the next step
+        self._groups: dict[str, _Group] = {}  # a request group's live sequence ids -> their group
+        self._groups_by_head: dict[str, _Group] = {}  # a group's first id -> the group, while any sequence lives
 
     # ---- called by AsyncEngine (event-loop thread) ----
 
@@ -68,20 +81,47 @@ class EngineCore:
         """Queue a request and return the channel its deltas go to; raises the scheduler's typed
         rejections and changes nothing then. `max_tokens` is the effective limit (params may leave it
         to the engine)."""
-        request = Request(
+        (channel,) = self.submit_group([request_id], prompt_token_ids, [params], [text], eos_token_ids=eos_token_ids,
+                                       max_tokens=max_tokens, priority=priority)
+        return channel
+
+    def submit_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams],
+                     texts: Sequence[RequestText], *, eos_token_ids: tuple[int, ...], max_tokens: int,
+                     priority: int = 0) -> list[OutputChannel]:
+        """Queue one sequence per id over the same prompt, each with its params and text: with several,
+        a request group (parallel sampling) whose first sequence computes the prompt and the others
+        fork from it (scheduler/forks.py). The group lives and dies together: aborting its first id
+        aborts every sequence, and one sequence's error fails the others. Raises the scheduler's typed
+        rejections and changes nothing then."""
+        requests = [Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
-            eos_token_ids=eos_token_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
-            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, priority=priority)
-        state = RequestState(request_id, params, len(prompt_token_ids), text)
-        self.scheduler.add(request)
-        self.states[request_id] = state
+            eos_token_ids=eos_token_ids, stop_token_ids=tuple(p.stop_token_ids or ()),
+            ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, priority=priority,
+            skip_reading_prefix_cache=p.prompt_logprobs is not None) for request_id, p in zip(request_ids, params)]
+        self.scheduler.add(requests[0], forks=requests[1:])
+        channels = []
+        for request_id, p, text in zip(request_ids, params, texts):
+            state = RequestState(request_id, p, len(prompt_token_ids), text)
+            self.states[request_id] = state
+            channels.append(state.channel)
+        if len(requests) > 1:
+            group = _Group(request_ids[0], list(request_ids))
+            self._groups.update((request_id, group) for request_id in request_ids)
+            self._groups_by_head[group.head] = group
         self._refresh_gauges()
         self._wake.set()
-        return state.channel
+        return channels
 
     def abort(self, request_id: str, channel: OutputChannel | None = None) -> bool:
         """Mark a request for abort; it ends at the next step boundary. False if unknown or finished,
         or when `channel` is given and is not that request's (a stale stream of a reused id)."""
+        group = self._groups_by_head.get(request_id) if channel is None else None
+        if group is not None:  # a group's first id: every sequence still running
+            if all(member in self._pending_aborts for member in group.live):
+                return False
+            self._pending_aborts.update(group.live)
+            self._wake.set()
+            return True
         state = self.states.get(request_id)
         if state is None or request_id in self._pending_aborts or (channel is not None and state.channel is not channel):
             return False
@@ -138,6 +178,10 @@ class EngineCore:
         if self._speculator is not None:
             self.metrics.record_speculation(**vars(self._speculator.record(output, outcome.sampled_token_ids)))
         self._apply_aborts()  # an abort that arrived during the step wins over its last token
+        for request_id, (first_position, logprobs) in outcome.prompt_logprobs.items():
+            state = self.states.get(request_id)
+            if state is not None:
+                state.record_prompt_logprobs(first_position, logprobs)
         for request_id, error in outcome.request_errors.items():  # e.g. its grammar did not compile
             logger.warning("request %s failed in step %d: %s", request_id, self.num_steps, error)
             self._finish(request_id, "error", error)
@@ -159,9 +203,13 @@ class EngineCore:
 
     def _step_input(self, output: SchedulerOutput) -> StepInput:
         """The runner's input: sampling rows, the contexts of drafts it proposes, who ended."""
-        rows, contexts = [], {}
+        rows, contexts, prompt_rows = [], {}, []
         for scheduled in output.scheduled:
             request = self.scheduler.get_request(scheduled.request_id)
+            params = self.states[scheduled.request_id].params
+            if params.prompt_logprobs is not None and scheduled.start_position < request.num_prompt_tokens - 1:
+                prompt_rows.append(PromptLogprobsRow(scheduled.request_id, params.prompt_logprobs,
+                                                     request.prompt_token_ids))
             if scheduled.num_draft_tokens:  # verified, not sampled
                 if not scheduled.draft_token_ids:
                     contexts[scheduled.request_id] = tuple(request.all_token_ids)
@@ -169,7 +217,7 @@ class EngineCore:
                 rows.append(SamplingRow(scheduled.request_id, self.states[scheduled.request_id].params,
                                         request.prompt_token_ids, request.output_token_ids))
         finished, self._finished_since_step = tuple(self._finished_since_step), []
-        return StepInput(output, tuple(rows), contexts, finished)
+        return StepInput(output, tuple(rows), contexts, finished, tuple(prompt_rows))
 
     def _mark_scheduled(self, output: SchedulerOutput) -> int:
         """Stamp first-scheduled times; returns the prompt tokens computed this step."""
@@ -179,6 +227,7 @@ class EngineCore:
             state = self.states[scheduled.request_id]
             if state.times.first_scheduled is None:
                 state.times.first_scheduled = now
+                state.num_cached_tokens = max(0, self.scheduler.get_request(scheduled.request_id).num_cached_tokens)
             end = scheduled.start_position + len(scheduled.token_ids)
             num_prompt_tokens += max(0, min(end, state.num_prompt_tokens) - scheduled.start_position)
         return num_prompt_tokens
@@ -254,7 +303,12 @@ class EngineCore:
             return
         self.scheduler.finish(request_id, RequestStatus.from_finish_reason(reason), discard_cached=discard_cached)
         state.channel.put(state.final_output(reason), error=error)
+        group = self._groups.get(request_id)
         self._retire(state, reason, time.monotonic())
+        if reason == "error" and group is not None:  # one sequence fails: the request fails, every sequence ends
+            for sibling in list(group.live):
+                self._finish(sibling, "error", RuntimeError(f"sequence {request_id!r} of this request failed: {error}"),
+                             discard_cached=discard_cached)
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:
@@ -279,6 +333,11 @@ class EngineCore:
 
     def _retire(self, state: RequestState, finish_reason: str, now: float) -> None:
         del self.states[state.request_id]
+        group = self._groups.pop(state.request_id, None)
+        if group is not None:
+            group.live.remove(state.request_id)
+            if not group.live:
+                del self._groups_by_head[group.head]
         self._pending_aborts.discard(state.request_id)
         self._finished_since_step.append(state.request_id)  # the runner drops what it kept for it
         if self._speculator is not None:

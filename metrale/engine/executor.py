@@ -39,6 +39,7 @@ class StepOutcome:
     stopped_request_ids: set[str] = field(default_factory=set)  # their constraint is complete: "stop"
     request_errors: dict[str, BaseException] = field(default_factory=dict)  # the runner could not serve them
     retried: bool = False  # the first attempt failed and the batch was split
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
     def merge(self, result: StepResult) -> None:
         """Add the results of one (sub-)batch that ran."""
@@ -46,6 +47,7 @@ class StepOutcome:
         self.logprobs.update(result.logprobs or {})
         self.stopped_request_ids.update(result.stopped_request_ids)
         self.request_errors.update(result.failed_requests or {})
+        self.prompt_logprobs.update(result.prompt_logprobs or {})
 
 
 class StepExecutor:

@@ -101,7 +101,7 @@ class LLM:
         joined, the texts equal the result's. An exception raised by on_token (KeyboardInterrupt too)
         aborts the request, waits until its blocks are free, and propagates."""
         outputs: list[RequestOutput] = []
-        with self.stream(prompt, params) as deltas:
+        with self.stream(prompt, _one_sequence(params)) as deltas:
             for out in deltas:
                 outputs.append(out)
                 last = len(out.token_ids) - 1
@@ -334,8 +334,16 @@ def _as_list(value: Any, single: Callable[[Any], bool]) -> list[Any]:
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, prompts: list[Any]) -> list[Any]:
     if params is None or isinstance(params, SamplingParams):
-        return [params] * len(prompts)
+        return [_one_sequence(params)] * len(prompts)
     params = list(params)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+    return [_one_sequence(p) for p in params]
+
+
+def _one_sequence(params: SamplingParams | None) -> SamplingParams | None:
+    """The blocking API returns one CompletionResult per prompt: n > 1 is refused before anything is queued."""
+    if isinstance(params, SamplingParams) and params.n != 1:
+        raise ValueError(f"n must be 1 here (one result per prompt), got {params.n}; "
+                         "iterate AsyncEngine.generate for n sequences")
     return params

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from metrale.engine.stream import RequestStream
+from metrale.engine.stream import GroupStream, RequestStream
 from metrale.outputs import EngineInfo, EngineStats
 from metrale.sampling_params import SamplingParams
 
@@ -50,11 +50,11 @@ class EngineClient(Protocol):
         EngineNotRunningError before start."""
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, priority: int = 0) -> RequestStream:
+                 request_id: str | None = None, priority: int = 0) -> RequestStream | GroupStream:
         """Queue a request and return its stream; raises a typed rejection (metrale.errors)."""
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream:
+             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream | GroupStream:
         """`generate` over the model's chat template rendered for `messages` (and `tools`)."""
 
     async def prepare(self, params: SamplingParams) -> None:
@@ -64,9 +64,10 @@ class EngineClient(Protocol):
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """What `generate` would submit for `prompt`; a long text is tokenized off the event loop."""
 
-    async def chat_token_ids(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None) -> list[int]:
-        """What `chat` would submit for `messages` (and `tools`, given to the chat template); a long
-        conversation is tokenized off the event loop."""
+    async def chat_token_ids(self, messages: list[dict[str, Any]], tools: Sequence[Any] | None = None,
+                             **template_kwargs: Any) -> list[int]:
+        """What `chat` would submit for `messages` (and `tools` and `template_kwargs`, given to the chat
+        template); a long conversation is tokenized off the event loop."""
 
     async def wait_until_dead(self) -> BaseException | None:
         """Wait for the engine loop to end: the error that killed it, or None when it was shut down."""
@@ -76,6 +77,9 @@ class EngineClient(Protocol):
 
     def abort_all(self) -> None:
         """Abort every unfinished request now (a forced shutdown)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a token sequence (special tokens kept)."""
 
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         """Each token decoded alone (for logprobs); a partial UTF-8 character renders as U+FFFD."""

@@ -39,7 +39,8 @@ class TextDelta:
 class RequestState:
     """Turns a request's new token ids into stream deltas through its RequestText."""
 
-    __slots__ = ("request_id", "params", "channel", "num_prompt_tokens", "num_output_tokens", "times", "_text")
+    __slots__ = ("request_id", "params", "channel", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens",
+                 "times", "_text", "_prompt_logprobs")
 
     def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int, text: RequestText) -> None:
         self.request_id = request_id
@@ -47,8 +48,17 @@ class RequestState:
         self.channel = OutputChannel(request_id)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served, known when first scheduled
         self.times = RequestTimes()
         self._text = text
+        # one per prompt position (None at 0), filled chunk by chunk; sent with the first delta, then None
+        self._prompt_logprobs: list[TokenLogprob | None] | None = \
+            [None] * num_prompt_tokens if params.prompt_logprobs is not None else None
+
+    def record_prompt_logprobs(self, first_position: int, logprobs: list[TokenLogprob]) -> None:
+        """Prompt logprobs of positions first_position.. (a recomputed chunk writes the same positions)."""
+        if self._prompt_logprobs is not None:
+            self._prompt_logprobs[first_position:first_position + len(logprobs)] = logprobs
 
     def on_tokens(self, token_ids: tuple[int, ...], finish_reason: str | None,
                   hide_last_token: bool, logprobs: list[TokenLogprob] | None) -> TextDelta:
@@ -60,7 +70,9 @@ class RequestState:
             finish_reason = "stop"
         output = RequestOutput(request_id=self.request_id, token_ids=list(token_ids), text=text,
                                finish_reason=finish_reason, num_prompt_tokens=self.num_prompt_tokens,
-                               num_output_tokens=self.num_output_tokens, logprobs=logprobs)
+                               num_output_tokens=self.num_output_tokens, logprobs=logprobs,
+                               num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self._prompt_logprobs)
+        self._prompt_logprobs = None  # the prompt is computed once a token is sampled: sent once, here
         return TextDelta(output, matched)
 
     def final_output(self, finish_reason: str) -> RequestOutput:
@@ -74,4 +86,4 @@ class RequestState:
                 logger.exception("request %s: held-back text lost while ending it", self.request_id)
         return RequestOutput(request_id=self.request_id, token_ids=[], text=text,
                              finish_reason=finish_reason, num_prompt_tokens=self.num_prompt_tokens,
-                             num_output_tokens=self.num_output_tokens)
+                             num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens)

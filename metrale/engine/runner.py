@@ -32,6 +32,7 @@ from metrale.loading import LoadedModel, load_model
 from metrale.outputs import TokenLogprob
 from metrale.sampling.constraints import TokenConstraints
 from metrale.sampling.guided import GrammarCompiler
+from metrale.sampling.prompt_logprobs import PromptRows
 from metrale.sampling.sampler import Sampler
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.draft_model import DraftModelProposer, DraftRequest
@@ -53,6 +54,15 @@ class SamplingRow:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobsRow:
+    """A request whose prompt chunk this step returns prompt logprobs (SamplingParams.prompt_logprobs)."""
+
+    request_id: str
+    num_logprobs: int  # top alternatives per position
+    prompt_token_ids: Sequence[int]  # the targets: logits at position p score prompt[p + 1]
+
+
+@dataclass(frozen=True, slots=True)
 class StepInput:
     """One step for the runner.
 
@@ -66,14 +76,17 @@ class StepInput:
     sampling_rows: tuple[SamplingRow, ...]
     draft_contexts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     finished_request_ids: tuple[str, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobsRow, ...] = ()  # only requests that asked; no other row is computed
 
     def for_group(self, group: tuple[ScheduledRequest, ...]) -> "StepInput":
         """The same step restricted to `group` (a sub-batch when a failed step is split)."""
         ids = {s.request_id for s in group}
-        sub = SchedulerOutput(group, sum(s.num_tokens for s in group), (), self.scheduler_output.block_size)
+        held = {block for s in group for block in s.block_table}
+        copies = tuple(c for c in self.scheduler_output.block_copies if c[1] in held)  # a fork's copy goes with it
+        sub = SchedulerOutput(group, sum(s.num_tokens for s in group), (), self.scheduler_output.block_size, copies)
         return StepInput(sub, tuple(r for r in self.sampling_rows if r.request_id in ids),
                          {rid: ctx for rid, ctx in self.draft_contexts.items() if rid in ids},
-                         self.finished_request_ids)
+                         self.finished_request_ids, tuple(r for r in self.prompt_logprobs if r.request_id in ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +100,8 @@ class StepResult:
     stopped_request_ids: frozenset[str] = frozenset()
     # Requests this step could not serve (e.g. their grammar failed to compile): they end with an error.
     failed_requests: dict[str, BaseException] | None = None
+    # request id -> (position of its first scored prompt token, one TokenLogprob per scored prompt token)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None
 
 
 def _bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -198,13 +213,15 @@ class ModelRunner:
             self.failpoints.check_any("execute", [s.request_id for s in scheduled])
         if self.drafter is not None and step.finished_request_ids:
             self.drafter.forget(step.finished_request_ids)
+        self._copy_draft_blocks(step.scheduler_output.block_copies)
         drafts = self._drafts(step)  # request id -> its draft tokens
         forward = ForwardInput(
             token_ids=tuple(t for s in scheduled for t in (*s.token_ids, *drafts.get(s.request_id, ()))),
             query_lens=tuple(s.num_tokens for s in scheduled),
             context_lens=tuple(s.start_position + s.num_tokens for s in scheduled),
             block_tables=tuple(s.block_table for s in scheduled),
-            block_size=self.kv_cache.block_size)
+            block_size=self.kv_cache.block_size,
+            block_copies=tuple(step.scheduler_output.block_copies))
         if self.group is not None:
             self.group.send_forward(forward)  # the other ranks run it with this one
         hidden = forward.run(self.model, self.kv_cache, self.backends.attention)  # (T, D)
@@ -215,14 +232,17 @@ class ModelRunner:
                 verify_rows.extend(range(row - s.num_draft_tokens - 1, row))
             elif s.samples:
                 sample_rows.append(row - 1)
-        if not sample_rows and not verify_rows:  # only prompt chunks that sample nothing: just fill the pools
+        prompt = PromptRows.plan(scheduled, step.prompt_logprobs)
+        if not sample_rows and not verify_rows and not prompt.rows:  # prompt chunks only: just fill the pools
             mx.eval(self._pools())
             self._forward_launched()
             return StepResult({})
-        rows = mx.array(sample_rows + verify_rows, dtype=mx.int32)
-        logits = self.model.compute_logits(hidden[rows])  # (S' + sum(k + 1), V)
+        num_sampled = len(sample_rows) + len(verify_rows)
+        rows = mx.array(sample_rows + verify_rows + prompt.rows, dtype=mx.int32)
+        logits = self.model.compute_logits(hidden[rows])  # (S' + sum(k + 1) + prompt rows, V)
         mx.async_eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
         self._forward_launched()
+        prompt_logprobs = prompt.logprobs(logits[num_sampled:]) if prompt.rows else None
         sampled: dict[str, int | list[int]] = {}
         logprobs, stopped, errors = None, frozenset(), None
         if sample_rows:
@@ -231,7 +251,8 @@ class ModelRunner:
                 for sampling_row in step.sampling_rows:
                     self.failpoints.check("sample", sampling_row.request_id)
             batch = self.sampler.prepare(step.sampling_rows, masks.bitmask)
-            output = self.sampler.sample(logits[:len(sample_rows)] if verify_rows else logits, batch)
+            output = self.sampler.sample(logits[:len(sample_rows)] if len(sample_rows) < logits.shape[0] else logits,
+                                         batch)
             outcome = self.constraints.accept(step.sampling_rows, output.token_ids, masks)
             ids = [r.request_id for r in step.sampling_rows]
             sampled.update(zip(ids, output.token_ids))
@@ -239,14 +260,21 @@ class ModelRunner:
             stopped, errors = outcome.finished, outcome.errors or None
         if verify_rows:
             speculating = [s for s in scheduled if s.num_draft_tokens]
-            runs = accepted_runs(logits[len(sample_rows):], [drafts[s.request_id] for s in speculating])
+            runs = accepted_runs(logits[len(sample_rows):num_sampled], [drafts[s.request_id] for s in speculating])
             sampled.update((s.request_id, run) for s, run in zip(speculating, runs))
-        return StepResult(sampled, logprobs, stopped, errors)
+        return StepResult(sampled, logprobs, stopped, errors, prompt_logprobs)
 
     def close(self) -> None:
         """Stop the grammar compiler's thread (the engine calls this at shutdown)."""
         if self.grammar_compiler is not None:
             self.grammar_compiler.shutdown()
+
+    def _copy_draft_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """The draft model's copies of forked requests' partial blocks (the target's pools copy theirs in
+        ForwardInput.run, on every rank). Safe to repeat (a retried step): the child rewrites only
+        positions after those its parent had computed."""
+        if copies and self.drafter is not None:
+            self.drafter.kv_cache.copy_blocks(copies)
 
     def _drafts(self, step: StepInput) -> dict[str, tuple[int, ...]]:
         """The drafts of every speculating request: given by the scheduler, or proposed here."""

@@ -27,13 +27,14 @@ class OutputChannel:
     A slow consumer therefore costs O(1) objects and never stalls the engine loop.
     """
 
-    __slots__ = ("request_id", "_pending", "_ready", "error")
+    __slots__ = ("request_id", "_pending", "_ready", "error", "notify")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
         self.error: BaseException | None = None
+        self.notify: asyncio.Event | None = None  # also set on put (a GroupStream waiting on several channels)
 
     def put(self, output: RequestOutput, error: BaseException | None = None) -> None:
         """Queue a delta (merged into any unread one). Called on the event-loop thread only."""
@@ -44,6 +45,13 @@ class OutputChannel:
         else:
             self._pending.merge(output)
         self._ready.set()
+        if self.notify is not None:
+            self.notify.set()
+
+    def take(self) -> RequestOutput | None:
+        """The pending delta without waiting, or None."""
+        output, self._pending = self._pending, None
+        return output
 
     async def get(self) -> RequestOutput:
         """The next (possibly merged) delta; waits until there is one."""
@@ -132,3 +140,94 @@ class RequestStream:
         if not self._finished:
             self._finished = True
             self._abort(self.request_id)
+
+
+class GroupStream:
+    """The deltas of the n sequences of one request (parallel sampling, SamplingParams.n > 1), as one
+    async iterator: each delta's `index` names its sequence (0..n-1); it ends when every sequence
+    has ended. Same contract as RequestStream: ending it early aborts every sequence; a sequence that
+    fails (the engine then fails its siblings too) yields its last delta and then raises
+    RequestFailedError. `request_id` is sequence 0's, the id `engine.abort` takes for the group.
+    """
+
+    def __init__(self, channels: list[OutputChannel], abort: Callable[[OutputChannel], object]) -> None:
+        self._channels = channels
+        self._abort = abort  # aborts one sequence, by its channel
+        self._ready = asyncio.Event()
+        for channel in channels:
+            channel.notify = self._ready
+        self._open = list(range(len(channels)))  # sequences whose final delta has not been read
+        self._raise_next: BaseException | None = None
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._channels[0].request_id
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(channel.request_id for channel in self._channels)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                try:
+                    output = await self.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield output
+        finally:
+            self._close()
+
+    async def __anext__(self) -> RequestOutput:
+        if self._raise_next is not None:
+            error, self._raise_next = self._raise_next, None
+            raise error
+        if self._closed or not self._open:
+            raise StopAsyncIteration
+        try:
+            while True:
+                for index in self._open:
+                    output = self._channels[index].take()
+                    if output is not None:
+                        return self._emit(index, output)
+                self._ready.clear()
+                await self._ready.wait()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+
+    def _emit(self, index: int, output: RequestOutput) -> RequestOutput:
+        output.index = index
+        if output.finish_reason is not None:
+            self._open.remove(index)
+            if output.finish_reason == "error":
+                cause = self._channels[index].error
+                failure = RequestFailedError(output.request_id, f"{type(cause).__name__}: {cause}")
+                failure.__cause__ = cause
+                self._raise_next = failure
+                self._close()  # its siblings end too (the engine fails them; this aborts any it did not)
+        return output
+
+    async def aclose(self) -> None:
+        """End every sequence now; those not finished are aborted."""
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for index in self._open:
+                self._abort(self._channels[index])
+
+    async def __aenter__(self) -> "GroupStream":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        if not self._closed and self._open:
+            self._close()

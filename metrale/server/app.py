@@ -7,6 +7,7 @@
     GET  /v1/models[/{id}]       the one served model
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
+    POST /v1/responses           OpenAI's Responses API: see responses.py
 
 Hand-written rather than a framework: a dozen routes, msgspec bodies, and direct control of the
 ASGI `receive` channel, which the disconnect watcher needs. With `manage_engine` the app starts the
@@ -25,14 +26,16 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import completions, worker_api
+from metrale.server import completions, responses, worker_api
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
                                  send_error, send_json)
+from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+RESPONSES_PATH = "/v1/responses"
 
 
 class ServerApp:
@@ -48,6 +51,7 @@ class ServerApp:
     body_timeout_s: a request body that has not fully arrived after this long gets a 408.
     tool_call_parser: how the model writes tool calls (a metrale.text.tool_parsers format); by default
         what the engine reads from the model's chat template.
+    allowed_origins: origins browsers may call the API from ("*" for any; see cors.py).
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
     """
@@ -56,7 +60,7 @@ class ServerApp:
                  model_aliases: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
-                 tool_call_parser: str | None = None,
+                 tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
@@ -65,6 +69,7 @@ class ServerApp:
         self.dead_grace_s = dead_grace_s
         self.manage_engine = manage_engine
         self.tool_call_parser = tool_call_parser
+        self.cors = CorsPolicy(tuple(allowed_origins))
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
@@ -105,10 +110,17 @@ class ServerApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
+        cors_headers = self.cors.response_headers(scope) if self.cors else []
+        if self.cors and self.cors.is_preflight(scope):
+            status, headers = self.cors.preflight(scope)
+            return await send_bytes(send, status, b"", headers)
 
         async def tracked_send(message: dict) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if cors_headers:
+                    message = {**message, "headers": [*message.get("headers", []), *cors_headers]}
             await send(message)
 
         try:
@@ -120,12 +132,12 @@ class ServerApp:
                 self.engine.record_rejected(error.reject_reason)
             if started:
                 raise
-            await send_error(send, error)
+            await send_error(tracked_send, error)
         except Exception:
             logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
             if started:
                 raise
-            await send_error(send, APIError(500, "internal server error", code="internal_error"))
+            await send_error(tracked_send, APIError(500, "internal server error", code="internal_error"))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -147,6 +159,14 @@ class ServerApp:
                                             request_id=client_request_id(scope),
                                             tool_call_format=self.tool_call_parser,
                                             model_aliases=self.model_aliases)
+        if path == RESPONSES_PATH:
+            if method != "POST":
+                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
+            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            return await responses.handle(self.engine, self.model_name, body, send, receive,
+                                          default_max_tokens=self.default_max_tokens,
+                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                          model_aliases=self.model_aliases)
         if path == "/v1/models":
             return await self._only(method, "GET", send_json(send, 200, {"object": "list",
                                                                          "data": [self._model_card()]}))

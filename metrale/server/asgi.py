@@ -121,6 +121,15 @@ class SSEResponse:
     async def done(self) -> None:
         await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
+    async def named_event(self, name: str, payload: Any) -> None:
+        """`event: <name>` then the data line (the Responses API's events)."""
+        await self._send({"type": "http.response.body", "more_body": True,
+                          "body": b"event: " + name.encode() + b"\ndata: " + _encode(payload) + b"\n\n"})
+
+    async def end(self) -> None:
+        """End the stream without a [DONE] event."""
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
 
 async def run_until_disconnect(handler: Coroutine[Any, Any, None], receive: Receive) -> bool:
     """Run `handler` until it finishes or the client disconnects, whichever is first.

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Iterator
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from metrale.config import EngineConfig
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
+from metrale.server.cors import parse_origins
 
 logger = logging.getLogger(__name__)
 DESCRIPTION = """Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
@@ -70,8 +72,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                              '\'{"method": "draft_model", "model": "small.gguf"}\' (default: off)')
     http = parser.add_argument_group("http")
-    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--host", default="127.0.0.1", action=_JoinHosts,
+                      help="address to listen on; repeat it or give a comma list to listen on several at once "
+                           "(e.g. --host 127.0.0.1 --host ::1), all on --port")
     http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                      help="CORS: a comma list of origins browsers may call the API from, or * (default: none); "
+                           "the API key is still required")
     http.add_argument("--api-key", default=os.environ.get("METRALE_API_KEY"),
                       help="require this bearer token on /v1/* (default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
@@ -94,6 +101,40 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     http.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                       help="how the model writes tool calls (default: read from its chat template)")
+
+
+class _JoinHosts(argparse.Action):
+    """--host may repeat: its values join into one comma list (replacing the default, not extending it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, values if current is self.default else f"{current},{values}")
+
+
+def listen_hosts(value: str) -> list[str]:
+    """The addresses of a --host value (a comma list), in order, without repeats."""
+    hosts = list(dict.fromkeys(h.strip().removeprefix("[").removesuffix("]") for h in value.split(",") if h.strip()))
+    if not hosts:
+        raise ValueError(f"--host: no address in {value!r}")
+    return hosts
+
+
+def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
+    """One listening socket per address (IPv6 ones IPv6-only, so that :: and 0.0.0.0 can be listened on
+    together); OSError naming the address that failed, with nothing left open."""
+    sockets: list[socket.socket] = []
+    try:
+        for host in hosts:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            try:
+                sockets.append(socket.create_server((host, port), family=family))
+            except OSError as error:
+                raise OSError(error.errno, f"cannot listen on {host} port {port}: {error.strerror}") from error
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -174,22 +215,30 @@ def run_serve(args: argparse.Namespace) -> int:
         collector(registry=registry)
     try:
         engine_cfg = engine_config(args)
+        origins = parse_origins(args.allowed_origins)
+        hosts = listen_hosts(args.host)
     except ValueError as error:  # a bad flag value: say which, no traceback
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 2
+    try:
+        sockets = bind_sockets(hosts, args.port)
+    except OSError as error:
+        print(f"metrale serve: error: {error}", file=sys.stderr)
+        return 1
     engine = AsyncEngine(engine_cfg, registry=registry)
     app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                     model_aliases=tuple(args.model_alias or ()),
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
-                    tool_call_parser=args.tool_call_parser)
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
+                    tool_call_parser=args.tool_call_parser, allowed_origins=origins)
+    config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
                             lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,
                             log_level="info", log_config=None)
     server = DrainingServer(config, app, args.shutdown_timeout)
     app.on_fatal = server.fail
-    server.run()
+    logger.info("listening on %s", ", ".join(f"[{h}]:{args.port}" if ":" in h else f"{h}:{args.port}" for h in hosts))
+    server.run(sockets=sockets)
     # The engine is shut down and every request has ended. Exit without running C++ static
     # destructors: about 1 run in 20, a native thread torn down at interpreter exit aborted the
     # process ("terminate called without an active exception", SIGABRT) after a clean drain.

@@ -20,13 +20,12 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from metrale.errors import RequestFailedError
-from metrale.outputs import RequestOutput
+from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.server import logprobs as lp
 from metrale.server import protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, from_engine_error
 from metrale.engine.protocol import EngineClient
-from metrale.engine.stream import RequestStream
 
 try:
     FINGERPRINT = f"metrale-{version('metrale')}"
@@ -47,7 +46,11 @@ class _Call:
     model: str
     include_usage: bool
     logprobs: int | None  # None: not requested
-    tools: tools.ToolCallStream | None = None  # chat with tool parsing (metrale.server.tools)
+    plan: tools.ToolPlan | None = None  # chat with tool parsing (metrale.server.tools)
+    n: int = 1  # choices
+    echo: str | None = None  # completions with echo: the prompt text each choice starts with
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top alternatives), None: not requested
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -55,11 +58,48 @@ class _Call:
                 "system_fingerprint": FINGERPRINT}
 
 
+class _Choice:
+    """One output sequence of the response: its text, logprobs and parser state, by delta."""
+
+    def __init__(self, index: int, call: _Call) -> None:
+        self.index = index
+        self.tools = call.plan.stream() if call.plan is not None else None
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.last: RequestOutput | None = None
+        self.echoed = False  # streaming: the prompt went out with the first delta
+
+    def add(self, out: RequestOutput) -> None:
+        self.texts.append(out.text)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        self.last = out
+
+    def render(self, engine: EngineClient, call: _Call, prompt_logprobs: list | None) -> dict[str, Any]:
+        """The non-streamed choice object."""
+        text = "".join(self.texts)
+        last = self.last
+        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": last.finish_reason}
+        if call.logprobs is not None:
+            choice["logprobs"] = _logprobs(engine, call, self.logprobs, prompt_logprobs if call.echo is not None else None)
+        if call.chat and self.tools is not None:
+            choice["message"] = self.tools.message(text)
+            choice["finish_reason"] = self.tools.finish_reason(last.finish_reason)
+        elif call.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = (call.echo or "") + text
+            if call.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = lp.render_prompt(engine, prompt_logprobs, call.prompt_logprobs)
+        return choice
+
+
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
                  tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
-    `request_id` (the client's X-Request-Id) names the engine request; else the response id does.
+    `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
+    field, which also makes the response id), else the response id.
     `tool_call_format` overrides the format the engine reads from the model's chat template;
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
@@ -68,18 +108,26 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
     if plan is not None:
         params = plan.params(params)
-    await _prepare(engine, params, "tools" if plan is not None and plan.choice in ("required", "named")
+    await prepare_params(engine, params, "tools" if plan is not None and plan.choice in ("required", "named")
                    else structured.source_of(request))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
-    call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model,
-                 include_usage, params.logprobs, plan.stream() if plan is not None else None)
     try:
         if chat:  # long prompts are tokenized off the event loop
             prompt_ids = await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
-                                                     tools=plan.template_tools if plan is not None else None)
+                                                     tools=plan.template_tools if plan is not None else None,
+                                                     **protocol.template_kwargs(request))
         else:
-            prompt_ids = await engine.prompt_token_ids(protocol.completion_prompt(request))
-        stream = engine.generate(prompt_ids, params, request_id=request_id or call.id)
+            prompt = protocol.completion_prompt(request)
+            prompt_ids = await engine.prompt_token_ids(prompt)
+        echo = None
+        if not chat and request.echo:
+            echo = prompt if isinstance(prompt, str) else engine.decode(prompt_ids)
+        call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id or uuid.uuid4().hex}",
+                     int(time.time()), model,
+                     include_usage, params.logprobs,
+                     plan if plan is not None and plan.stream() is not None else None, params.n, echo,
+                     tuple(prompt_ids), request.prompt_logprobs)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     except APIError:
         raise
     except Exception as error:
@@ -94,7 +142,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
 
 
-async def _prepare(engine: EngineClient, params: Any, source: str) -> None:
+async def prepare_params(engine: EngineClient, params: Any, source: str) -> None:
     """Compile the request's grammar off the event loop; a bad one is a 400 naming its field."""
     try:
         await engine.prepare(params)
@@ -105,79 +153,95 @@ async def _prepare(engine: EngineClient, params: Any, source: str) -> None:
         raise api_error from error
 
 
-async def _full_response(engine: EngineClient, call: _Call, stream: RequestStream, send: Send) -> None:
-    texts: list[str] = []
-    logprobs: list = []
-    last: RequestOutput | None = None
+async def _full_response(engine: EngineClient, call: _Call, stream: Any, send: Send) -> None:
+    choices = [_Choice(i, call) for i in range(call.n)]
+    prompt_logprobs = None
     try:
         async for out in stream:
-            texts.append(out.text)
-            if out.logprobs:
-                logprobs.extend(out.logprobs)
-            last = out
+            choices[out.index].add(out)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
     except RequestFailedError as error:
         raise APIError(500, str(error), code="request_failed") from error
-    if last is None or last.finish_reason == "abort":
+    if any(c.last is None or c.last.finish_reason == "abort" for c in choices):
         raise APIError(503, _ABORTED, code="aborted")
-    text = "".join(texts)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
-    if call.logprobs is not None:
-        choice["logprobs"] = lp.render(engine, logprobs, call.chat, call.logprobs)
-    if call.chat and call.tools is not None:
-        choice["message"] = call.tools.message(text)
-        choice["finish_reason"] = call.tools.finish_reason(last.finish_reason)
-    elif call.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    await send_json(send, 200, {**call.envelope(chunk=False), "choices": [choice], "usage": _usage(last)})
+    body = {**call.envelope(chunk=False), "choices": [c.render(engine, call, prompt_logprobs) for c in choices],
+            "usage": _usage([c.last for c in choices])}
+    if call.chat and call.prompt_logprobs is not None:  # vLLM puts a chat response's at the top level
+        body["prompt_logprobs"] = lp.render_prompt(engine, prompt_logprobs, call.prompt_logprobs)
+    await send_json(send, 200, body)
 
 
-async def _stream_response(engine: EngineClient, call: _Call, stream: RequestStream, send: Send) -> None:
+async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send: Send) -> None:
     sse = SSEResponse(send)
     await sse.start()
+    choices = [_Choice(i, call) for i in range(call.n)]
     if call.chat:
-        await sse.event(_chunk(call, {"role": "assistant", "content": ""}, None))
-    last: RequestOutput | None = None
+        for choice in choices:
+            await sse.event(_chunk(call, choice.index, {"role": "assistant", "content": ""}, None))
+    failed = False
+    prompt_logprobs = None  # sequence 0's first delta brings them (before any other sequence's)
     try:
         async for out in stream:
-            last = out
+            choice = choices[out.index]
+            choice.last = out
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             if out.finish_reason in ("abort", "error"):
                 continue  # abort: reported below; error: the stream raises next
-            if out.text or out.finish_reason is not None or out.logprobs:
-                await _send_delta(engine, sse, call, out)
+            if out.text or out.finish_reason is not None or out.logprobs or (call.echo is not None and not choice.echoed):
+                await _send_delta(engine, sse, call, choice, out, prompt_logprobs)
     except RequestFailedError as error:
+        failed = True
         await sse.event(APIError(500, str(error), code="request_failed").body())
-    else:
-        if last is None or last.finish_reason == "abort":
+    if not failed:
+        if any(c.last is None or c.last.finish_reason == "abort" for c in choices):
             await sse.event(APIError(503, _ABORTED, code="aborted").body())
         elif call.include_usage:
-            await sse.event({**call.envelope(chunk=True), "choices": [], "usage": _usage(last)})
+            await sse.event({**call.envelope(chunk=True), "choices": [], "usage": _usage([c.last for c in choices])})
     await sse.done()
 
 
-async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, out: RequestOutput) -> None:
+async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, choice: _Choice,
+                      out: RequestOutput, prompt_logprobs: list | None) -> None:
     logprobs = None
-    if call.logprobs is not None and out.logprobs:
-        logprobs = lp.render(engine, out.logprobs, call.chat, call.logprobs)
     if not call.chat:
-        await sse.event(_chunk(call, out.text, out.finish_reason, logprobs))
+        text = out.text
+        if call.echo is not None and not choice.echoed:  # the prompt goes first, with its logprobs
+            choice.echoed = True
+            text = call.echo + text
+            if call.logprobs is not None:
+                logprobs = _logprobs(engine, call, out.logprobs or [], prompt_logprobs)
+        elif call.logprobs is not None and out.logprobs:
+            logprobs = _logprobs(engine, call, out.logprobs, None)
+        await sse.event(_chunk(call, choice.index, text, out.finish_reason, logprobs))
         return
-    if call.tools is not None:  # content and tool-call deltas, as the parser makes them certain
-        fields = call.tools.delta(out.text, final=out.finish_reason is not None)
+    if call.logprobs is not None and out.logprobs:
+        logprobs = lp.render(engine, out.logprobs, True, call.logprobs)
+    if choice.tools is not None:  # content and tool-call deltas, as the parser makes them certain
+        fields = choice.tools.delta(out.text, final=out.finish_reason is not None)
         if fields or logprobs:
-            await sse.event(_chunk(call, fields, None, logprobs))
+            await sse.event(_chunk(call, choice.index, fields, None, logprobs))
         if out.finish_reason is not None:
-            await sse.event(_chunk(call, {}, call.tools.finish_reason(out.finish_reason)))
+            await sse.event(_chunk(call, choice.index, {}, choice.tools.finish_reason(out.finish_reason)))
         return
     if out.text or logprobs:
-        await sse.event(_chunk(call, {"content": out.text}, None, logprobs))
+        await sse.event(_chunk(call, choice.index, {"content": out.text}, None, logprobs))
     if out.finish_reason is not None:
-        await sse.event(_chunk(call, {}, out.finish_reason))
+        await sse.event(_chunk(call, choice.index, {}, out.finish_reason))
 
 
-def _chunk(call: _Call, content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+def _logprobs(engine: EngineClient, call: _Call, logprobs: list[TokenLogprob],
+              prompt_logprobs: list | None) -> dict[str, Any]:
+    """A choice's logprobs object; with echo (`prompt_logprobs` given) the prompt's tokens come first."""
+    if prompt_logprobs is None:
+        return lp.render(engine, logprobs, call.chat, call.logprobs)
+    return lp.render(engine, [*prompt_logprobs[1:], *logprobs], False, call.logprobs,
+                     leading_token_id=call.prompt_token_ids[0])
+
+
+def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     choice["delta" if call.chat else "text"] = content
     chunk = {**call.envelope(chunk=True), "choices": [choice]}
     if call.include_usage:
@@ -185,6 +249,9 @@ def _chunk(call: _Call, content: Any, finish_reason: str | None, logprobs: Any =
     return chunk
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:
+    """The prompt counted once for all choices; the completion tokens of every choice."""
+    num_prompt = lasts[0].num_prompt_tokens
+    num_output = sum(out.num_output_tokens for out in lasts)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": lasts[0].num_cached_tokens}}

@@ -245,6 +245,9 @@ def run_fleet(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"metrale fleet: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
         return 2
+    if "," in args.host:
+        print(f"metrale fleet: the router listens on one --host, got {args.host!r}", file=sys.stderr)
+        return 2
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         socket.create_server((args.host, args.port), family=family).close()

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import msgspec
 
 from metrale.sampling_params import SamplingParams
-from metrale.server import structured
+from metrale.server import refusals, structured
 from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -24,6 +24,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -38,7 +39,28 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _Refusable(msgspec.Struct, kw_only=True):
+    """OpenAI / vLLM fields of both endpoints that metrale refuses when they ask for something
+    (metrale.server.refusals); declared so that none is silently dropped."""
+
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    priority: Any = None
+    prompt_embeds: Any = None
+    add_special_tokens: Any = None
+
+
+class _SamplingFields(_Refusable, kw_only=True):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -68,7 +90,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    user: str | None = None
+    user: str | None = None  # accepted: an end-user id for the caller's records, it changes nothing here
+    prompt_logprobs: Int64 | None = None
+    request_id: str | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
+    best_of: Int64 | None = None  # honoured when it equals n; more is refused
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -78,7 +103,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     max_tokens: Int64 | None = 16
     echo: bool = False
     suffix: str | None = None
-    best_of: Int64 | None = None
     logprobs: Int64 | None = None
 
 
@@ -106,13 +130,40 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    safety_identifier: str | None = None  # accepted like user: an id for the caller's records
+    prompt_cache_key: str | None = None  # accepted: the prefix cache is automatic, the key changes nothing here
+    # refused when they ask for something (metrale.server.refusals.CHAT)
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
+    metadata: Any = None
+    store: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    service_tier: Any = None
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
 
 
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                 "include_stop_str_in_output", "skip_special_tokens")
 PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
-                              "prompt", "messages", "n", "model", *structured.PARAM_NAMES)
+                              "prompt", "messages", "n", "model", "best_of", "echo", "prompt_logprobs",
+                              "chat_template_kwargs", *structured.PARAM_NAMES)
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")  # set by the server itself
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -174,6 +225,12 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
     logprobs = _logprobs(request)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    kwargs["n"] = request.n
+    prompt_logprobs = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)  # echo returns the prompt's logprobs too
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     kwargs.update(structured.sampling_fields(request))
     try:
         return SamplingParams(**kwargs)
@@ -192,17 +249,23 @@ def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    if request.n != 1:
-        raise bad_request(f"n must be 1 (parallel sampling is not supported), got {request.n}", "n")
+    refusals.refuse(request, chat=isinstance(request, ChatCompletionRequest))
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise bad_request("echo is not supported", "echo")
-        if request.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-        if request.best_of not in (None, 1):
-            raise bad_request("best_of is not supported", "best_of")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request(f"best_of must equal n ({request.n}): every sampled sequence is returned, choosing "
+                          f"the best {request.n} of {request.best_of} is not supported", "best_of")
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False)."""
+    kwargs = request.chat_template_kwargs or {}
+    for name in kwargs:
+        if not name.isidentifier() or name in _TEMPLATE_RESERVED:
+            raise bad_request(f"chat_template_kwargs cannot set {name!r}", "chat_template_kwargs")
+    return dict(kwargs)
 
 
 def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:

@@ -84,9 +84,20 @@ GEMMA3 = """{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"""
 
-BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML, "qwen3": QWEN3, "gemma3": GEMMA3}
+# Llama 3's format (Meta's Llama 3 Instruct template): bos, then per turn a role header and the trimmed
+# content closed by <|eot_id|>; a tool result is an "ipython" turn, as in Llama 3.1. (Tool definitions
+# are left to the model's own template.)
+LLAMA3 = """{%- for message in messages %}
+{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}
+{{- (bos_token if loop.first else '') + '<|start_header_id|>' + role + '<|end_header_id|>\n\n'
+    + (message['content'] | trim) + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"""
+
+BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML, "qwen3": QWEN3, "gemma3": GEMMA3, "llama3": LLAMA3}
 _BUILTIN_TOKENS: dict[str, tuple[str, str]] = {  # name -> (bos_token, eos_token)
     "chatml": ("", "<|im_end|>"), "qwen3": ("", "<|im_end|>"), "gemma3": ("<bos>", "<eos>"),
+    "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
 }
 
 
@@ -118,7 +129,7 @@ class ChatTemplate:
 
     @classmethod
     def builtin(cls, name: str, *, bos_token: str | None = None, eos_token: str | None = None) -> "ChatTemplate":
-        """One of BUILTIN_TEMPLATES ("chatml", "qwen3", "gemma3") with its usual special tokens."""
+        """One of BUILTIN_TEMPLATES ("chatml", "qwen3", "gemma3", "llama3") with its usual special tokens."""
         if name not in BUILTIN_TEMPLATES:
             raise ValueError(f"unknown built-in chat template {name!r}; choose one of {sorted(BUILTIN_TEMPLATES)}")
         default_bos, default_eos = _BUILTIN_TOKENS[name]
@@ -168,12 +179,15 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 
 
 def default_builtin(architecture: str, tokens: Sequence[str]) -> str:
-    """The built-in that fits a model without a template: by architecture, then by its special tokens."""
+    """The built-in that fits a model without a template: by architecture, then by its special tokens
+    (a llama-architecture model whose vocabulary has Llama 3's turn headers gets Llama 3's format)."""
     arch = architecture.lower()
     if arch.startswith("gemma") or "<start_of_turn>" in tokens:
         return "gemma3"
     if arch.startswith("qwen3"):
         return "qwen3"
+    if "<|start_header_id|>" in tokens and (arch.startswith("llama") or "<|im_start|>" not in tokens):
+        return "llama3"
     return "chatml"
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from metrale.bench.arrivals import arrival_offsets
 from metrale.bench.loadgen import BenchSettings, run_benchmark, run_requests
-from metrale.bench.stats import RequestRecord, summarize
+from metrale.bench.stats import GoodputSLOs, RequestRecord, summarize
 from metrale.bench.targets import Chunk, OpenAITarget, TargetError, parse_event
 from metrale.bench.workloads import (TOKEN_ID_LOW, BenchRequest, chat_requests, load_sharegpt,
                                      random_requests)
@@ -79,6 +79,74 @@ def test_one_token_requests_have_no_tpot_and_empty_metrics_are_zero():
     m = summarize([record(0.0, [0.3])], duration_s=1.0)
     assert m["mean_ttft_ms"] == pytest.approx(300) and m["mean_tpot_ms"] == 0.0 and m["mean_itl_ms"] == 0.0
     assert summarize([record(0.0, [0.1], error="x")], 1.0)["completed"] == 0
+
+
+# ---- goodput (vLLM's --goodput) ----
+
+
+def goodput_records():
+    """TTFT / TPOT / E2EL in ms of each completed request in the comments."""
+    return [record(0.0, [0.2, 0.3, 0.4]),                 # 200 / 100 / 400
+            record(0.0, [0.6, 0.65, 0.7, 0.75, 0.8]),     # 600 /  50 / 800
+            record(0.0, [0.1, 0.5]),                      # 100 / 400 / 500
+            record(0.0, [0.3]),                           # 300 / one token: TPOT 0 / 300
+            record(0.0, [0.05], error="TargetError: boom"),   # failed: never good, still sent
+            record(0.0, [0.05, 0.1], cancelled=True)]     # cancelled on purpose: not counted at all
+
+
+@pytest.mark.parametrize("slos, good", [
+    (GoodputSLOs(ttft_ms=300), 3),                 # 200, 100, 300 (an SLO is met at equality)
+    (GoodputSLOs(tpot_ms=100), 3),                 # 100, 50, 0
+    (GoodputSLOs(e2el_ms=500), 3),                 # 400, 500, 300
+    (GoodputSLOs(ttft_ms=300, tpot_ms=100), 2),    # the first and the one-token request
+    (GoodputSLOs(ttft_ms=300, tpot_ms=100, e2el_ms=350), 1),
+    (GoodputSLOs(ttft_ms=1e6, tpot_ms=1e6, e2el_ms=1e6), 4),  # every completed request, never the failed one
+    (GoodputSLOs(ttft_ms=0), 0),
+])
+def test_goodput_counts_requests_meeting_every_slo(slos, good):
+    m = summarize(goodput_records(), duration_s=2.0, slos=slos)
+    assert m["good_requests"] == good
+    assert m["request_goodput"] == pytest.approx(good / 2.0)
+    assert m["request_goodput_ratio"] == pytest.approx(good / 5)  # 4 completed + 1 failed were sent
+    assert m["goodput_slos_ms"] == slos.as_dict()
+
+
+def test_no_slos_no_goodput_fields():
+    assert not any("goodput" in key for key in summarize(goodput_records(), duration_s=2.0))
+
+
+def test_goodput_slos_parse_like_vllm():
+    assert GoodputSLOs.parse(["ttft:500", "e2el:2000.5"]) == GoodputSLOs(ttft_ms=500, e2el_ms=2000.5)
+    assert GoodputSLOs.parse(["tpot:0"]).as_dict() == {"tpot": 0.0}
+
+
+@pytest.mark.parametrize("items, message", [
+    (["itl:5"], "name one of ttft, tpot, e2el"), (["ttft"], "name:ms"), (["ttft:fast"], "not a number"),
+    (["ttft:-1"], ">= 0"), (["tpot:nan"], ">= 0"), (["e2el:inf"], ">= 0"), (["ttft:1", "ttft:2"], "twice"),
+    ([], "at least one SLO"),
+])
+def test_bad_goodput_slos_are_refused(items, message):
+    with pytest.raises(ValueError, match=message):
+        GoodputSLOs.parse(items)
+
+
+async def test_goodput_in_a_run_and_in_the_report():
+    from metrale.bench.report import format_result, format_sweep
+
+    result = await run_benchmark(FakeTarget(), random_requests(4, 4, 3, vocab_size=1000), show_progress=False,
+                                 slos=GoodputSLOs(ttft_ms=60_000, e2el_ms=60_000))
+    assert (result["good_requests"], result["request_goodput_ratio"]) == (4, 1.0)
+    assert result["request_goodput"] == pytest.approx(4 / result["duration"])
+    table = format_result(result)
+    assert "Request goodput (req/s):" in table and "4 (100%)" in table and "ttft:60000 e2el:60000" in table
+    assert "good req/s" in format_sweep([result])
+
+
+def test_bench_cli_refuses_a_bad_goodput_before_running(capsys):
+    from metrale.cli import main
+
+    assert main(["bench", "--goodput", "ttft:100", "latency:5", "--no-save"]) == 2
+    assert "--goodput: bad goodput SLO 'latency:5'" in capsys.readouterr().err
 
 
 class FakeTarget:
@@ -160,6 +228,15 @@ async def test_sse_failures_count_as_failed(body, status, message):
 def test_chat_deltas_count_only_with_content():
     assert parse_event({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) is None
     assert parse_event({"choices": [{"delta": {"content": "Hi"}}]}) == Chunk(1)
+
+
+def test_an_event_with_text_and_usage_is_both_output_and_the_count():
+    """llama-server's last event carries usage and, when it merged tokens under load, text as well."""
+    event = {"choices": [{"text": " end", "finish_reason": "length"}],
+             "usage": {"prompt_tokens": 128, "completion_tokens": 128}}
+    assert parse_event(event) == Chunk(1, prompt_tokens=128, completion_tokens=128)
+    assert parse_event({"choices": [{"text": "", "finish_reason": "length"}], "usage": event["usage"]}) == \
+        Chunk(0, prompt_tokens=128, completion_tokens=128)
 
 
 # ---- workloads ----

@@ -269,7 +269,7 @@ def test_integrity_catches_leaks_and_bad_ref_counts():
         mgr.check_integrity(["a"])
 
 
-def test_integrity_catches_uncached_sharing():
+def test_integrity_catches_sharing_of_a_writable_block():
     mgr = KVCacheManager(num_blocks=6, block_size=BS)
     admit(mgr, Seq("a", list(range(3))))
     admit(mgr, Seq("b", list(range(50, 53))))
@@ -278,5 +278,63 @@ def test_integrity_catches_uncached_sharing():
     rec_b.blocks[0] = rec_a.blocks[0]
     rec_b.block_ids = (rec_a.block_ids[0], *rec_b.block_ids[1:])
     mgr.pool.touch([rec_a.blocks[0]])
-    with pytest.raises(RuntimeError, match="held by 2 requests but not cached"):
+    with pytest.raises(RuntimeError, match="held by 2 requests but request '.' may still write it"):
         mgr.check_integrity(["a", "b"])
+
+
+# ---- fork (parallel sampling) ----
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_fork_shares_full_blocks_and_copies_the_partial_one(caching):
+    mgr = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=caching)
+    prompt = list(range(10))
+    parent = Seq("p", list(prompt))
+    admit(mgr, parent)  # 10 tokens: blocks 0, 1 full, block 2 holds 2
+    table = mgr.block_table("p")
+    child = Seq("c", list(prompt))
+    copies = mgr.fork("p", child, 9)  # the child recomputes the last prompt token itself
+    assert copies == [(table[2], copies[0][1])] and copies[0][1] not in table
+    assert mgr.block_table("c") == [table[0], table[1], copies[0][1]]
+    assert [mgr.pool.blocks[b].ref_cnt for b in table] == [2, 2, 1]
+    assert mgr.num_free_blocks == 8 - 4  # 3 blocks for the parent, 1 copy for the child
+    mgr.check_integrity(["p", "c"])
+    child.num_computed_tokens = 9
+    assert mgr.allocate_slots(child, 1) == []  # position 9 goes into the child's own copy
+    child.all_token_ids += [50, 51, 52]
+    child.num_computed_tokens = 10
+    assert len(mgr.allocate_slots(child, 3)) == 1  # 13 tokens: a 4th block of its own
+    mgr.check_integrity(["p", "c"])
+    mgr.free("p")
+    assert [mgr.pool.blocks[b].ref_cnt for b in table] == [1, 1, 0]
+    mgr.check_integrity(["c"])
+    mgr.free("c")
+    assert mgr.num_free_blocks == 8
+    mgr.check_integrity([])
+
+
+def test_fork_on_a_block_boundary_copies_nothing():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    admit(mgr, Seq("p", list(range(9))))  # the child recomputes token 8, the first of block 2
+    copies = mgr.fork("p", Seq("c", list(range(9))), 8)
+    assert copies == [] and mgr.block_table("c") == mgr.block_table("p")[:2]
+    mgr.check_integrity(["p", "c"])
+
+
+def test_fork_without_a_free_block_changes_nothing():
+    mgr = KVCacheManager(num_blocks=3, block_size=BS)
+    admit(mgr, Seq("p", list(range(10))))
+    assert mgr.fork("p", Seq("c", list(range(10))), 9) is None
+    assert mgr.block_table("c") == [] and mgr.num_free_blocks == 0
+    mgr.check_integrity(["p"])
+
+
+def test_fork_misuse_raises():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    admit(mgr, Seq("p", list(range(5))))
+    with pytest.raises(ValueError, match="holds 2 blocks of 4"):
+        mgr.fork("p", Seq("c", list(range(5))), 9)
+    with pytest.raises(ValueError, match="'q', which holds 0 blocks"):
+        mgr.fork("q", Seq("c", list(range(5))), 1)
+    admit(mgr, Seq("c", list(range(5))))
+    with pytest.raises(ValueError, match="already holds"):
+        mgr.fork("p", Seq("c", list(range(5))), 4)

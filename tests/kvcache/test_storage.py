@@ -94,6 +94,23 @@ def test_footprint_fixed_across_many_writes():
     assert cache.bytes == 4 * 2 * 4096 * 3 * 64 * 4
 
 
+def test_copy_blocks_copies_every_layer_and_leaves_the_rest():
+    cache = PagedKVCache(num_layers=2, num_blocks=6, block_size=4, n_kv_heads=2, head_dim=3)
+    for layer in range(2):
+        keys = mx.arange(24 * 6, dtype=mx.float32).reshape(24, 2, 3) + 1000 * layer
+        cache.write(layer, keys, -keys, mx.arange(24, dtype=mx.int32))
+    before = [np.array(pool) for layer in range(2) for pool in cache.layer(layer)]
+    cache.copy_blocks([(1, 4), (4, 2)])  # sources are read before any destination is written
+    for i, pool in enumerate(pool for layer in range(2) for pool in cache.layer(layer)):
+        got, old = np.array(pool), before[i]
+        np.testing.assert_array_equal(got[16:20], old[4:8])
+        np.testing.assert_array_equal(got[8:12], old[16:20])
+        untouched = [r for r in range(24) if not (8 <= r < 12 or 16 <= r < 20)]
+        np.testing.assert_array_equal(got[untouched], old[untouched])
+    with pytest.raises(ValueError, match="out of range"):
+        cache.copy_blocks([(0, 6)])
+
+
 @pytest.mark.parametrize("backend", ["reference", "kernel"])
 def test_kernel_and_indexed_writes_agree_and_keep_held_pools_intact(monkeypatch, backend):
     """The CPU kernel's write (one node per pool) and MLX's indexed assignment give the same pools.

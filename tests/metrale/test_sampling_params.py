@@ -41,6 +41,7 @@ INVALID = [
     ("structured_outputs", {"choice": []}), ("structured_outputs", {"choice": ["a", ""]}),
     ("structured_outputs", {"regex": ""}), ("structured_outputs", {"grammar": "  "}),
     ("structured_outputs", {"json_object": "yes"}), ("structured_outputs", {"jsn": {}}), ("structured_outputs", 5),
+    ("n", 0), ("n", 1.5), ("prompt_logprobs", -1), ("prompt_logprobs", 21),
 ]
 
 

@@ -18,7 +18,7 @@ from metrale.errors import EngineDrainingError, PromptTooLongError
 from metrale.engine.metrics import EngineMetrics
 from metrale.outputs import EngineInfo, EngineStats, RequestOutput
 from metrale.sampling_params import SamplingParams
-from metrale.engine.stream import OutputChannel, RequestStream
+from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 
 
 class FakeEngine:
@@ -44,6 +44,8 @@ class FakeEngine:
         self.tool_call_format: str | None = None
         self.prepared: list[SamplingParams] = []
         self.chat_tools: list = []
+        self.template_kwargs: list[dict] = []
+        self.generated_ids: list[str | None] = []
 
     def health(self) -> str:
         return self.state
@@ -55,6 +57,9 @@ class FakeEngine:
 
     def info(self) -> EngineInfo:
         return EngineInfo(model_path="/models/fake-model.gguf", model_type="llama", dtype="float32", kv_block_size=16)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in token_ids)
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         return [f"<{i}>" for i in token_ids]
@@ -77,6 +82,14 @@ class FakeEngine:
             raise PromptTooLongError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) "
                                      f"exceeds max_model_len ({self.max_model_len})")
         self.submitted.append((prompt, params))
+        self.generated_ids.append(request_id)
+        if params.n > 1:  # one scripted sequence per index, under ids id, id#1, ...
+            ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
+            channels = [OutputChannel(rid) for rid in ids]
+            for channel in channels:
+                self.live[channel.request_id] = asyncio.get_running_loop().create_task(
+                    self._run(channel, max_tokens, n_prompt))
+            return GroupStream(channels, lambda channel: self.abort(channel.request_id))
         channel = OutputChannel(request_id)
         self.live[request_id] = asyncio.get_running_loop().create_task(self._run(channel, max_tokens, n_prompt))
         return RequestStream(channel, self.abort)
@@ -105,8 +118,9 @@ class FakeEngine:
     async def prompt_token_ids(self, prompt: Any) -> Any:
         return prompt  # the fake "tokenizes" into the prompt itself: generate takes either
 
-    async def chat_token_ids(self, messages: list[dict], tools: list | None = None) -> str:
+    async def chat_token_ids(self, messages: list[dict], tools: list | None = None, **template_kwargs: Any) -> str:
         self.chat_tools.append(tools)
+        self.template_kwargs.append(template_kwargs)
         checked = validate_messages(messages)  # the real engine's check
         return " ".join(m["content"] for m in checked)
 

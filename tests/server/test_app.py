@@ -34,7 +34,8 @@ async def test_completion_shape(app):
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["model"] == "fake-model" and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": "Hello world!", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_completion_stream_shape(app):
@@ -49,7 +50,7 @@ async def test_completion_stream_shape(app):
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
     assert all(c["usage"] is None for c in chunks)
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
-                                                         "total_tokens": 5}
+                                                         "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_shapes(app):
@@ -80,12 +81,26 @@ async def test_chat_default_max_tokens_and_content_parts(engine):
 
 async def test_extra_sampling_fields_reach_sampling_params(app, engine):
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "top_k": 5, "min_p": 0.1, "seed": 7,
-            "stop": "x", "repetition_penalty": 1.1, "ignore_eos": True, "user": "ignored", "unknown": 1}
+            "stop": "x", "repetition_penalty": 1.1, "ignore_eos": True, "user": "ignored", "unknown": 1,
+            "top_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 1,
+            "stop_token_ids": [4], "include_stop_str_in_output": True, "skip_special_tokens": False}
     assert (await call(app, "POST", COMPLETIONS, body)).status == 200
     prompt, params = engine.submitted[-1]
     assert prompt == [1, 2, 3]
     assert (params.temperature, params.top_k, params.min_p, params.seed, params.stop, params.ignore_eos) == \
         (0.0, 5, 0.1, 7, ("x",), True)
+    assert (params.top_p, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == \
+        (0.9, 0.5, -0.5, 1.1)
+    assert (params.min_tokens, params.stop_token_ids, params.include_stop_str_in_output,
+            params.skip_special_tokens) == (1, (4,), True, False)
+
+
+async def test_request_id_names_the_request_and_the_response(app, engine):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 1, "request_id": "abc"})
+    assert r.status == 200 and r.json()["id"] == "chatcmpl-abc"
+    r = await call(app, "POST", COMPLETIONS, {"prompt": "a", "max_tokens": 1, "request_id": "abc", "stream": True})
+    assert r.events()[0]["id"] == "cmpl-abc"
+    assert engine.generated_ids[-2:] == ["abc", "abc"]
 
 
 @pytest.mark.parametrize("path, body, status, param", [
@@ -98,7 +113,12 @@ async def test_extra_sampling_fields_reach_sampling_params(app, engine):
     (COMPLETIONS, {"prompt": "a", "temperature": 3.5}, 400, "temperature"),
     (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, "top_p"),
     (COMPLETIONS, {"prompt": "a", "seed": 2**70}, 400, "seed"),
-    (COMPLETIONS, {"prompt": "a", "n": 2}, 400, "n"),
+    (COMPLETIONS, {"prompt": "a", "n": 0}, 400, "n"),
+    (COMPLETIONS, {"prompt": "a", "n": 2, "best_of": 3}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    (CHAT, {"messages": MESSAGES, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -231,3 +251,10 @@ async def test_a_body_that_never_arrives_is_a_408(engine):
 
     await asyncio.wait_for(app(scope, receive, send), 5)
     assert sent[0]["status"] == 408
+
+
+async def test_chat_template_kwargs_reach_the_template(app, engine):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 1,
+                                       "chat_template_kwargs": {"enable_thinking": False, "x": [1]}})
+    assert r.status == 200, r.body
+    assert engine.template_kwargs == [{"enable_thinking": False, "x": [1]}]

@@ -55,3 +55,53 @@ def test_a_bad_flag_value_is_an_error_line_not_a_traceback():
     result = subprocess.run([sys.executable, "-m", "metrale.cli", "serve", "--speculative-config", "{bad"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("metrale serve: error: speculative_config")
+
+
+def test_host_repeats_and_comma_lists_join():
+    from metrale.server.cli import listen_hosts
+
+    assert listen_hosts(_parse().host) == ["127.0.0.1"]
+    assert listen_hosts(_parse("--host", "0.0.0.0").host) == ["0.0.0.0"]  # replaces the default
+    args = _parse("--host", "127.0.0.1", "--host", "::1,[fe80::1]", "--host", "127.0.0.1")
+    assert listen_hosts(args.host) == ["127.0.0.1", "::1", "fe80::1"]
+    with pytest.raises(ValueError, match="no address"):
+        listen_hosts(" , ")
+
+
+def test_bind_sockets_listens_on_every_address_or_on_none():
+    import socket
+
+    from metrale.server.cli import bind_sockets
+    from tests.server.serve import free_port
+
+    port = free_port()
+    hosts = ["127.0.0.1"] + (["::1"] if socket.has_ipv6 and _ipv6_loopback() else [])
+    sockets = bind_sockets(hosts, port)
+    try:
+        assert [s.getsockname()[1] for s in sockets] == [port] * len(hosts)
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1 port {port}"):
+            bind_sockets(["127.0.0.1"], port)  # taken: nothing else is left open either
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_allowed_origins_parse():
+    from metrale.server.cors import parse_origins
+
+    assert parse_origins(_parse().allowed_origins) == ()
+    assert parse_origins(_parse("--allowed-origins", "https://a.example, http://b:3000/").allowed_origins) == (
+        "https://a.example", "http://b:3000")
+    assert parse_origins("*") == ("*",)
+    with pytest.raises(ValueError, match="not an origin"):
+        parse_origins("a.example")

@@ -169,3 +169,18 @@ def test_disconnect_frees_blocks(server, stream):
     server.wait_for(lambda s: s.idle(), 5, "blocks freed after disconnect")
     assert time.monotonic() - start < 2.0
     assert server.metric("metrale_request_success_total", finished_reason="abort") - aborted_before == 1
+
+
+def test_n_choices_and_cached_tokens_through_the_client(client, model):
+    full = client.completions.create(model=model, prompt=PROMPT, n=3, **GREEDY)
+    assert [c.index for c in full.choices] == [0, 1, 2] and len({c.text for c in full.choices}) == 1
+    assert full.usage.completion_tokens == 18
+    again = client.completions.create(model=model, prompt=PROMPT * 8, **GREEDY)
+    again = client.completions.create(model=model, prompt=PROMPT * 8, **GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, n=2, stream=True, **GREEDY)
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]

@@ -187,6 +187,12 @@ def test_a_rejected_prompt_rejects_the_whole_list_before_any_step(llm):
     assert stats.requests_finished == before_finished + 1
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(PROMPTS[:3], [SamplingParams(), SamplingParams()])
+    for call in (lambda: llm.generate(PROMPTS[:2], SamplingParams(n=2)),
+                 lambda: llm.chat([{"role": "user", "content": "hi"}], [SamplingParams(n=3)]),
+                 lambda: llm.generate_streaming(PROMPTS[0], SamplingParams(n=2), lambda *_: None)):
+        with pytest.raises(ValueError, match="n must be 1 here"):  # one result per prompt
+            call()
+    assert llm.stats().requests_finished == before_finished + 1  # nothing was queued
     with pytest.raises(RequestRejectedError):
         llm.stream(too_long)
 

@@ -175,3 +175,30 @@ def test_tools_tool_calls_and_tool_results_reach_the_template():
     assert "<tool_response>\n12 °C\n</tool_response>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
     assert "<tools>" not in template.render(messages[:1])  # no tools: no tool prompt
+
+
+def test_llama3_builtin_for_a_llama_model_without_a_template(tmp_path):
+    words = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "hi"]
+    backend = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.add_special_tokens(words[:4])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                                "eos_token": "<|eot_id|>"}))
+    template = _from_folder(tmp_path, "llama")
+    assert template.name == "llama3"
+    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": " Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42"}]
+    assert template.render(messages) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>"
+        "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert _from_folder(tmp_path, "qwen3").name == "qwen3"  # the architecture decides first
+
+
+def test_template_kwargs_are_template_variables():
+    template = ChatTemplate("{{ messages[0]['content'] }}{% if enable_thinking is false %} /no_think{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}]
+    assert template.render(messages) == "Hi"
+    assert template.render(messages, enable_thinking=False) == "Hi /no_think"

@@ -1,0 +1,93 @@
+"""Request fields metrale does not implement, refused with a 400 naming them; nothing is silently dropped.
+
+A field is refused only when its value asks for something: `null` and the value that means "off" (a
+vLLM default such as use_beam_search: false, or store: false) pass. Every field of OpenAI's and vLLM's
+completion and chat request schemas is either honoured by the server or listed here
+(tests/server/test_request_fields.py walks them all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from metrale.server.errors import bad_request
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    field: str
+    allowed: Callable[[Any], bool]  # values that ask for nothing missing (null always passes)
+    reason: str
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+def _off(value: Any) -> bool:
+    return value is False
+
+
+def _is(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: any(value == v and type(value) is type(v) for v in values)
+
+
+BOTH = (
+    Refusal("use_beam_search", _off, "is not supported: metrale samples, it has no beam search"),
+    Refusal("length_penalty", _is(1.0, 1), "only applies to beam search, which metrale does not have"),
+    Refusal("spaces_between_special_tokens", _is(True), "false is not supported"),
+    Refusal("truncate_prompt_tokens", _never, "is not supported: prompts are never truncated, a too long one "
+                                             "is a 400"),
+    Refusal("guided_decoding_backend", _is("auto", "guidance", "llguidance"), "must be llguidance (the only one)"),
+    Refusal("guided_whitespace_pattern", _never, "is not supported"),
+    Refusal("logits_processors", _never, "is not supported"),
+    Refusal("return_tokens_as_token_ids", _off, "is not supported"),
+    Refusal("return_token_ids", _off, "is not supported"),
+    Refusal("cache_salt", _never, "is not supported"),
+    Refusal("kv_transfer_params", _never, "is not supported: metrale has no KV transfer"),
+    Refusal("vllm_xargs", _never, "is not supported"),
+    Refusal("priority", _is(0), "is not supported: metrale serve schedules first come, first served"),
+    Refusal("prompt_embeds", _never, "is not supported: prompts are text or token ids"),
+)
+COMPLETIONS = (
+    Refusal("suffix", _is(""), "is not supported"),
+    Refusal("add_special_tokens", _is(True), "false is not supported on /v1/completions"),
+)
+CHAT = (
+    Refusal("audio", _never, "is not supported: text only"),
+    Refusal("modalities", _is(["text"]), "must be [\"text\"]: text only"),
+    Refusal("prediction", _never, "is not supported (no predicted outputs)"),
+    Refusal("functions", _never, "is deprecated and not supported; use tools"),
+    Refusal("function_call", _never, "is deprecated and not supported; use tool_choice"),
+    Refusal("metadata", _is({}), "is not supported: completions are not stored"),
+    Refusal("store", _off, "is not supported: completions are not stored"),
+    Refusal("reasoning_effort", _never, "is not supported"),
+    Refusal("include_reasoning", _never, "is not supported: metrale has no reasoning parser, reasoning stays in "
+                                         "content"),
+    Refusal("verbosity", _never, "is not supported"),
+    Refusal("web_search_options", _never, "is not supported: metrale has no web search"),
+    Refusal("service_tier", _is("auto", "default"), "must be \"auto\" or \"default\""),
+    Refusal("echo", _off, "is not supported on chat completions"),
+    Refusal("add_generation_prompt", _is(True), "false is not supported"),
+    Refusal("continue_final_message", _off, "is not supported"),
+    Refusal("add_special_tokens", _off, "true is not supported on chat completions (the template adds them)"),
+    Refusal("documents", _never, "is not supported"),
+    Refusal("chat_template", _never, "is not supported: the model's own template is used"),
+    Refusal("mm_processor_kwargs", _never, "is not supported: text only"),
+    Refusal("moderation", _never, "is not supported"),
+    Refusal("prompt_cache_options", _never, "is not supported: the prefix cache is automatic, LRU-evicted"),
+    Refusal("prompt_cache_retention", _never, "is not supported: the prefix cache is automatic, LRU-evicted"),
+)
+
+
+def refuse(request: Any, chat: bool) -> None:
+    """A 400 naming the first field of `request` that asks for something metrale does not implement."""
+    for refusal in (*BOTH, *(CHAT if chat else COMPLETIONS)):
+        value = getattr(request, refusal.field)
+        if value is not None and not refusal.allowed(value):
+            raise bad_request(f"{refusal.field} {refusal.reason} (got {value!r})", refusal.field)
+    options = request.stream_options
+    if options is not None and options.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported; include_usage sends the usage "
+                          "once, at the end", "stream_options")

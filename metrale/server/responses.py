@@ -1,0 +1,238 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat machinery, streamed or not.
+
+    body -> ResponsesRequest (responses_protocol.py) -> chat messages, tools, SamplingParams
+         -> engine stream -> output items: a "message" with output_text, and "function_call" items
+
+Streaming sends named SSE events, each with a sequence_number, and no [DONE]:
+
+    response.created  response.in_progress
+    per message item:   response.output_item.added  response.content_part.added
+                        response.output_text.delta ...  response.output_text.done
+                        response.content_part.done  response.output_item.done
+    per function call:  response.output_item.added  response.function_call_arguments.delta ...
+                        response.function_call_arguments.done  response.output_item.done
+    response.completed (status "completed"), or response.incomplete (max_output_tokens reached),
+    or response.failed (the request failed or was aborted), with the whole response object.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from metrale.engine.protocol import EngineClient
+from metrale.errors import RequestFailedError
+from metrale.outputs import RequestOutput
+from metrale.server import protocol, tools
+from metrale.server import responses_protocol as rp
+from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
+from metrale.server.completions import prepare_params
+from metrale.server.errors import APIError, from_engine_error
+
+_ABORTED = "request was aborted by the server (shutting down)"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class _Response:
+    """The response object of one request, as it grows."""
+
+    def __init__(self, request: rp.ResponsesRequest, model: str) -> None:
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.request = request
+        self.model = model
+        self.output: list[dict[str, Any]] = []
+
+    def body(self, status: str, last: RequestOutput | None = None, error: dict[str, str] | None = None) -> dict[str, Any]:
+        request = self.request
+        usage = None
+        if last is not None:
+            usage = {"input_tokens": last.num_prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
+                     "output_tokens": last.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
+            "status": status, "output": list(self.output), "usage": usage, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "temperature": request.temperature, "top_p": request.top_p, "tools": request.tools or [],
+            "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
+            "parallel_tool_calls": request.parallel_tool_calls is not False, "metadata": request.metadata or {},
+            "text": request.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+            "user": request.user, "previous_response_id": None, "reasoning": None,
+        }
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" or text else []
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+async def handle(engine: EngineClient, served_model: str, body: bytes, send: Send, receive: Receive, *,
+                 default_max_tokens: int | None, request_id: str | None = None,
+                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
+    """Serve one Responses API request; raises APIError for anything refused before the response."""
+    request = protocol.decode(body, rp.ResponsesRequest)
+    model = protocol.model_or_404(request.model, served_model, model_aliases)
+    rp.refuse_unsupported(request)
+    params = rp.sampling_params(request, default_max_tokens)
+    plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
+    if plan is not None:
+        params = plan.params(params)
+    await prepare_params(engine, params, "tools" if plan is not None and plan.choice in ("required", "named") else "text")
+    response = _Response(request, model)
+    try:
+        messages = tools.template_messages(rp.chat_messages(request))
+        prompt_ids = await engine.chat_token_ids(messages, tools=plan.template_tools if plan is not None else None)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or response.id)
+    except APIError:
+        raise
+    except Exception as error:
+        api_error = from_engine_error(error, ("input", "instructions", "max_output_tokens", "temperature", "top_p"))
+        if api_error is None:
+            raise
+        raise api_error from error
+    tool_stream = plan.stream() if plan is not None else None
+    respond = _stream_response if request.stream else _full_response
+    try:
+        await run_until_disconnect(respond(response, tool_stream, stream, send), receive)
+    finally:
+        await stream.aclose()
+
+
+async def _full_response(response: _Response, tool_stream: tools.ToolCallStream | None, stream: Any,
+                         send: Send) -> None:
+    texts: list[str] = []
+    last: RequestOutput | None = None
+    try:
+        async for out in stream:
+            texts.append(out.text)
+            last = out
+    except RequestFailedError as error:
+        raise APIError(500, str(error), code="request_failed") from error
+    if last is None or last.finish_reason == "abort":
+        raise APIError(503, _ABORTED, code="aborted")
+    text = "".join(texts)
+    content, calls = text, []
+    if tool_stream is not None:
+        message = tool_stream.message(text)
+        content, calls = message["content"] or "", message.get("tool_calls", [])
+    if content:
+        response.output.append(_message_item(_new_id("msg"), content, "completed"))
+    for call in calls:
+        response.output.append(_call_item(_new_id("fc"), call["id"], call["function"]["name"],
+                                          call["function"]["arguments"], "completed"))
+    await send_json(send, 200, response.body(_status(last.finish_reason), last))
+
+
+class _EventStream:
+    """Named SSE events with sequence numbers, and the output items they open and close."""
+
+    def __init__(self, sse: SSEResponse, response: _Response) -> None:
+        self.sse = sse
+        self.response = response
+        self.sequence = 0
+        self.message: dict[str, Any] | None = None  # the open message item: id, index, text
+        self.calls: dict[int, dict[str, Any]] = {}  # open function calls by the parser's call index
+
+    async def emit(self, kind: str, **fields: Any) -> None:
+        await self.sse.named_event(kind, {"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+
+    async def text(self, delta: str) -> None:
+        if self.message is None:
+            self.message = {"id": _new_id("msg"), "index": len(self.response.output), "text": ""}
+            self.response.output.append(_message_item(self.message["id"], "", "in_progress"))
+            await self.emit("response.output_item.added", output_index=self.message["index"],
+                            item=_message_item(self.message["id"], "", "in_progress"))
+            await self.emit("response.content_part.added", item_id=self.message["id"],
+                            output_index=self.message["index"], content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []})
+        self.message["text"] += delta
+        await self.emit("response.output_text.delta", item_id=self.message["id"], output_index=self.message["index"],
+                        content_index=0, delta=delta, logprobs=[])
+
+    async def close_message(self) -> None:
+        message, self.message = self.message, None
+        if message is None:
+            return
+        where = {"item_id": message["id"], "output_index": message["index"], "content_index": 0}
+        await self.emit("response.output_text.done", **where, text=message["text"], logprobs=[])
+        await self.emit("response.content_part.done", **where,
+                        part={"type": "output_text", "text": message["text"], "annotations": []})
+        item = _message_item(message["id"], message["text"], "completed")
+        self.response.output[message["index"]] = item
+        await self.emit("response.output_item.done", output_index=message["index"], item=item)
+
+    async def tool_call(self, call: dict[str, Any]) -> None:
+        arguments = call.get("function", {}).get("arguments", "")
+        if "id" in call:  # a new call: its name is known
+            await self.close_message()
+            state = {"id": _new_id("fc"), "index": len(self.response.output), "call_id": call["id"],
+                     "name": call["function"]["name"], "arguments": ""}
+            self.calls[call["index"]] = state
+            item = _call_item(state["id"], state["call_id"], state["name"], "", "in_progress")
+            self.response.output.append(item)
+            await self.emit("response.output_item.added", output_index=state["index"], item=item)
+        state = self.calls[call["index"]]
+        if arguments:
+            state["arguments"] += arguments
+            await self.emit("response.function_call_arguments.delta", item_id=state["id"],
+                            output_index=state["index"], delta=arguments)
+
+    async def close_all(self) -> None:
+        await self.close_message()
+        for state in self.calls.values():
+            await self.emit("response.function_call_arguments.done", item_id=state["id"], output_index=state["index"],
+                            name=state["name"], arguments=state["arguments"])
+            item = _call_item(state["id"], state["call_id"], state["name"], state["arguments"], "completed")
+            self.response.output[state["index"]] = item
+            await self.emit("response.output_item.done", output_index=state["index"], item=item)
+        self.calls = {}
+
+
+async def _stream_response(response: _Response, tool_stream: tools.ToolCallStream | None, stream: Any,
+                           send: Send) -> None:
+    sse = SSEResponse(send)
+    await sse.start()
+    events = _EventStream(sse, response)
+    await events.emit("response.created", response=response.body("in_progress"))
+    await events.emit("response.in_progress", response=response.body("in_progress"))
+    last: RequestOutput | None = None
+    try:
+        async for out in stream:
+            last = out
+            if out.finish_reason in ("abort", "error"):
+                continue  # abort: reported below; error: the stream raises next
+            fields = tool_stream.delta(out.text, final=out.finish_reason is not None) if tool_stream is not None \
+                else {"content": out.text}
+            if fields.get("content"):
+                await events.text(fields["content"])
+            for call in fields.get("tool_calls", ()):
+                await events.tool_call(call)
+    except RequestFailedError as error:
+        await events.emit("response.failed", response=response.body(
+            "failed", last, {"code": "request_failed", "message": str(error)}))
+        return await sse.end()
+    if last is None or last.finish_reason == "abort":
+        await events.emit("response.failed", response=response.body("failed", last, {"code": "aborted",
+                                                                                    "message": _ABORTED}))
+        return await sse.end()
+    await events.close_all()
+    status = _status(last.finish_reason)
+    await events.emit(f"response.{status}", response=response.body(status, last))
+    await sse.end()
