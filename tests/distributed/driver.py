@@ -28,6 +28,7 @@ from metrale.distributed.messages import ForwardInput  # noqa: E402
 from metrale.loading import load_model  # noqa: E402
 
 BLOCK_SIZE = 4
+FORK_PROMPT = [5, 30, 7, 60, 11, 40, 9, 50, 13, 70, 21, 8, 33, 44]  # 3 full blocks of 4 and a partial one
 
 
 def _forwards() -> list[ForwardInput]:
@@ -79,6 +80,8 @@ async def engine_scenario(model: str, kv_bytes: int) -> dict:
     from metrale import AsyncEngine, EngineConfig, SamplingParams
     from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
 
+    SHORT = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
     config = EngineConfig(model=model, tensor_parallel_size=2, kv_cache_bytes=kv_bytes, block_size=BLOCK_SIZE,
                           max_model_len=256, max_num_seqs=8, enable_prefix_caching=False)
     async with AsyncEngine(config) as engine:
@@ -94,10 +97,16 @@ async def engine_scenario(model: str, kv_bytes: int) -> dict:
         engine.abort("victim")
         results = {rid: (await task)[0] for rid, task in tasks.items()}
         victim_ids, _, victim_finish = await victim_task
+        lone, _, _ = await collect(engine.generate(FORK_PROMPT, SHORT))
+        forked: dict[int, list[int]] = {}  # n=3 forks one computed prompt: its partial block is copied on every rank
+        async for out in engine.generate(FORK_PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                                     n=3)):
+            forked.setdefault(out.index, []).extend(out.token_ids)
         await wait_idle(engine)
         assert_clean(engine)
         stats = engine.stats()
-        return {"prompts": prompts, "tokens": results, "victim_finish": victim_finish,
+        return {"prompts": prompts, "tokens": results, "victim_finish": victim_finish, "lone": lone,
+                "forked": [forked[i] for i in range(3)],
                 "victim_tokens": len(victim_ids), "preemptions": stats.num_preemptions,
                 "kv_blocks": stats.kv_blocks_total, "health": engine.health()}
 

@@ -10,6 +10,7 @@ import pytest
 
 from metrale import AsyncEngine, EngineConfig, SamplingParams
 from tests.distributed.conftest import run_driver
+from tests.distributed.driver import FORK_PROMPT
 from tests.metrale.engine_helpers import assert_clean, collect
 from tests.metrale.model_helpers import write_tiny_model
 
@@ -30,16 +31,20 @@ async def _tp1_tokens(model: str, prompts: dict[str, list[int]]) -> dict[str, li
         greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         streams = {rid: engine.generate(ids, greedy, request_id=rid) for rid, ids in prompts.items()}
         results = await asyncio.gather(*(collect(s) for s in streams.values()))
+        lone, _, _ = await collect(engine.generate(FORK_PROMPT, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                               ignore_eos=True)))
         assert_clean(engine)
         assert engine.stats().kv_blocks_total == BLOCKS
-        return {rid: ids for rid, (ids, _, _) in zip(streams, results)}
+        return {rid: ids for rid, (ids, _, _) in zip(streams, results)}, lone
 
 
 async def test_greedy_generation_with_two_ranks_equals_one_rank(tiny):
     tp2 = await asyncio.to_thread(run_driver, "engine", tiny, str(BLOCKS * TP1_BLOCK_BYTES // 2))
     assert tp2["kv_blocks"] == BLOCKS  # each rank's pools: half the heads, the same blocks
     assert tp2["preemptions"] >= 1 and tp2["victim_finish"] == "abort" and tp2["health"] == "serving"
-    assert tp2["tokens"] == await _tp1_tokens(tiny, tp2["prompts"])
+    tp1, tp1_lone = await _tp1_tokens(tiny, tp2["prompts"])
+    assert tp2["tokens"] == tp1
+    assert tp2["lone"] == tp1_lone and tp2["forked"] == [tp1_lone] * 3  # n=3: the forked partial block on both ranks
 
 
 @pytest.mark.parametrize("how", ["KILL", "STOP"])
