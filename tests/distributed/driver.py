@@ -6,6 +6,7 @@ Prints one JSON line with what it saw; the test compares it.
     engine MODEL KV_BYTES    greedy requests through AsyncEngine(tensor_parallel_size=2): tokens,
                              an abort, preemptions, the KV integrity check
     rank_dies MODEL KILL|STOP   a follower killed (or stopped) mid-generation: errors, health
+    greedy MODEL|default N   24 greedy tokens for three text prompts at tensor_parallel_size N
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from metrale.distributed.messages import ForwardInput  # noqa: E402
 from metrale.loading import load_model  # noqa: E402
 
 BLOCK_SIZE = 4
+GREEDY_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
 FORK_PROMPT = [5, 30, 7, 60, 11, 40, 9, 50, 13, 70, 21, 8, 33, 44]  # 3 full blocks of 4 and a partial one
 
 
@@ -153,6 +155,17 @@ async def rank_dies_scenario(model: str, how: str) -> dict:
             "follower_status": follower.process.poll()}
 
 
+async def greedy_scenario(model: str, size: int) -> dict:
+    from metrale import AsyncEngine, EngineConfig, SamplingParams
+
+    config = EngineConfig(model=None if model == "default" else model, tensor_parallel_size=size,
+                          kv_cache_bytes=64 << 20)
+    async with AsyncEngine(config) as engine:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        results = await asyncio.gather(*(engine.complete(p, params) for p in GREEDY_PROMPTS))
+        return {"tokens": [r.token_ids for r in results]}
+
+
 def main() -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("TP_DRIVER_DUMP_AFTER_S", "100")), exit=True)
     scenario, *args = sys.argv[1:]
@@ -160,6 +173,8 @@ def main() -> None:
         result = forward_scenario(args[0], args[1] if len(args) > 1 else "auto")
     elif scenario == "engine":
         result = asyncio.run(engine_scenario(args[0], int(args[1])))
+    elif scenario == "greedy":
+        result = asyncio.run(greedy_scenario(args[0], int(args[1])))
     elif scenario == "rank_dies":
         result = asyncio.run(rank_dies_scenario(args[0], args[1]))
     else:

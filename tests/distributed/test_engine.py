@@ -56,3 +56,10 @@ def test_a_rank_that_dies_or_hangs_fails_every_open_request(tiny, how):
     assert result["health"] == "unhealthy" and reason in result["refused"]
     assert result["ended_s"] < (1 if how == "KILL" else 6), result
     assert result["follower_status"] == -9
+
+
+@pytest.mark.real_model
+def test_the_default_model_at_three_ranks_equals_one_rank():
+    """SmolLM2-135M (Q4_1 on the CPU kernels): 9 heads / 3 kv heads split over 3 ranks."""
+    tp3 = run_driver("greedy", "default", "3", timeout_s=300)
+    assert tp3["tokens"] == run_driver("greedy", "default", "1", timeout_s=300)["tokens"]
