@@ -6,6 +6,7 @@ Prints one JSON line with what it saw; the test compares it.
     engine MODEL KV_BYTES    greedy requests through AsyncEngine(tensor_parallel_size=2): tokens,
                              an abort, preemptions, the KV integrity check
     rank_dies MODEL KILL|STOP   a follower killed (or stopped) mid-generation: errors, health
+    refused MODEL N          start() at a size that does not divide the heads: the error, nothing left running
     greedy MODEL|default N   24 greedy tokens for three text prompts at tensor_parallel_size N
 """
 
@@ -166,6 +167,18 @@ async def greedy_scenario(model: str, size: int) -> dict:
         return {"tokens": [r.token_ids for r in results]}
 
 
+async def refused_scenario(model: str, size: int) -> dict:
+    from metrale import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(EngineConfig(model=model, tensor_parallel_size=size))
+    try:
+        await engine.start()
+    except ValueError as error:
+        return {"error": str(error), "health": engine.health()}
+    await engine.shutdown()
+    return {"error": None}
+
+
 def main() -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("TP_DRIVER_DUMP_AFTER_S", "100")), exit=True)
     scenario, *args = sys.argv[1:]
@@ -173,6 +186,8 @@ def main() -> None:
         result = forward_scenario(args[0], args[1] if len(args) > 1 else "auto")
     elif scenario == "engine":
         result = asyncio.run(engine_scenario(args[0], int(args[1])))
+    elif scenario == "refused":
+        result = asyncio.run(refused_scenario(args[0], int(args[1])))
     elif scenario == "greedy":
         result = asyncio.run(greedy_scenario(args[0], int(args[1])))
     elif scenario == "rank_dies":

@@ -58,6 +58,13 @@ def test_a_rank_that_dies_or_hangs_fails_every_open_request(tiny, how):
     assert result["follower_status"] == -9
 
 
+def test_a_size_that_does_not_divide_the_heads_fails_start_and_stops_the_ranks(tiny):
+    result = run_driver("refused", tiny, "3")  # 4 heads, 2 kv heads, 96 MLP features
+    assert result["error"].startswith("tensor parallel size 3 does not divide this model's 4 attention heads and "
+                                      "2 key/value heads"), result
+    assert result["health"] == "stopped"
+
+
 @pytest.mark.real_model
 def test_the_default_model_at_three_ranks_equals_one_rank():
     """SmolLM2-135M (Q4_1 on the CPU kernels): 9 heads / 3 kv heads split over 3 ranks."""
