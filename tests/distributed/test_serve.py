@@ -1,5 +1,6 @@
 """`metrale serve --tensor-parallel 2`: one command starts both ranks and serves from rank 0; a rank
-that dies ends the open streams with an error event, /health answers 503, and the server exits 1."""
+that dies ends the open streams with an error event, /health answers 503, and the server exits 1;
+SIGTERM drains and stops every rank."""
 
 from __future__ import annotations
 
@@ -66,3 +67,17 @@ def test_serve_with_two_ranks_and_a_rank_that_dies(tmp_path):
         while server.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert server.proc.returncode == 1, server.logs()
+
+
+def test_sigterm_drains_and_stops_every_rank(tmp_path):
+    model = write_tiny_model(str(tmp_path / "tiny.gguf"), max_position_embeddings=512)
+    with ServerProcess("--model", model, "--tensor-parallel", "2", "--max-model-len", "512", "--kv-cache-mib", "8",
+                       "--block-size", "4") as server:
+        (follower,) = _followers(server.proc.pid)
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_complete, server, 64, True)
+            server.wait_for(lambda s: s.gauges()[0] == 1, 30, "one running")
+            assert server.stop() == 0  # the drain lets the stream finish
+            status, events = stream.result(timeout=30)
+        assert status == 200 and events[-1] == "[DONE]" and "error" not in events[-2]
+        assert follower not in _followers(server.proc.pid)  # and the no_orphans fixture checks it is gone
