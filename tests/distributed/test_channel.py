@@ -1,4 +1,4 @@
-"""metrale/distributed/channel.py and the launcher's ports: framing over a real pipe."""
+"""metrale/distributed/channel.py and the launcher's ports: framing over a real pipe; the config's size."""
 
 from __future__ import annotations
 
@@ -36,3 +36,12 @@ def test_a_message_cut_short_reads_as_the_end():
 def test_free_ports_are_distinct():
     ports = free_ports(4)
     assert len(set(ports)) == 4 and all(p > 0 for p in ports)
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True, "2"])
+def test_engine_config_refuses_a_bad_tensor_parallel_size(size):
+    from metrale import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+        EngineConfig(tensor_parallel_size=size)
+    assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2
