@@ -46,6 +46,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
-# Optional CPU attention kernels (an MLX C++ extension); rebuilt only when sources or mlx change.
+# The CPU kernels (an MLX C++ extension: quantized matmul, paged attention, fused norms/RoPE/activations),
+# one portable binary with a copy per instruction set; rebuilt only when sources or mlx change.
 "$VENV/bin/python" -m kernels.build \
-  || echo "[setup] note: attention kernels not built; metrale uses the reference attention" >&2
+  || echo "[setup] note: CPU kernels not built (cmake and a C++ compiler are needed); metrale dequantizes to float32 and uses the MLX reference paths" >&2
