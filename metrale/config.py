@@ -37,6 +37,10 @@ class EngineConfig:
         that variable when the engine starts.
     speculative_config: speculative decoding (metrale.speculative): a SpeculativeConfig, or a dict /
         JSON string of one, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off.
+    tensor_parallel_size: ranks the model is sharded over (metrale.distributed): the engine starts
+        ranks 1..N-1 as processes on this machine (MLX's ring backend over 127.0.0.1) and is rank 0.
+        N must divide the model's heads, kv heads and MLP width. kv_cache_bytes is then per rank
+        (each rank caches its own kv heads). One tensor-parallel engine per process.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
         max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
         model's context length, capped at 8192, when the engine starts.
@@ -48,6 +52,7 @@ class EngineConfig:
     seed: int = 0
     failpoints: str | None = None
     speculative_config: SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -81,5 +86,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.model must be a path string or None, got {type(self.model).__name__}")
         if self.failpoints is not None and not isinstance(self.failpoints, str):
             raise ValueError(f"EngineConfig.failpoints must be a string or None, got {self.failpoints!r}")
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be a positive int, got {size!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

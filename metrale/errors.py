@@ -18,6 +18,7 @@ __all__ = [
     "EngineUnavailableError", "InvalidMessagesError", "InvalidParamsError", "InvalidPriorityError",
     "InvalidPromptError", "InvalidStructuredOutputError", "InvalidTokenIdError", "PromptTooLongError",
     "QueueFullError", "RequestFailedError", "RequestRejectedError", "StructuredOutputUnavailableError",
+    "TensorParallelError",
 ]
 
 
@@ -79,3 +80,9 @@ class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, message: str):
         super().__init__(f"request {request_id} failed: {message}")
         self.request_id = request_id
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the tensor-parallel group died, hung or fell out of step: the group cannot run another
+    step (the ring cannot be rebuilt in this process), so the engine dies and every open request ends
+    with an error."""

@@ -23,8 +23,9 @@ FLOORS = {
     "metrale.failpoints": 3, "metrale.speculative.config": 3,
     "metrale.text": 4, "metrale.sampling": 4, "metrale.models": 4, "metrale.speculative": 4,
     "metrale.loading": 5,
-    "metrale.engine": 6,
-    "metrale.server": 7, "metrale.bench": 7, "metrale.cli": 8, "metrale.demo": 7,
+    "metrale.distributed": 6,
+    "metrale.engine": 7,
+    "metrale.server": 8, "metrale.bench": 8, "metrale.cli": 9, "metrale.demo": 8,
 }
 # What the server may take from the engine room: its typed interface and the stream it returns.
 SERVER_ENGINE_API = ("metrale.engine.protocol", "metrale.engine.stream")

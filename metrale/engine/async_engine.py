@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
+from metrale.distributed.group import TensorParallelGroup
 from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
@@ -74,6 +75,7 @@ class AsyncEngine:
         self._state = "stopped"  # stopped -> loading -> serving -> draining -> stopped
         self._mlx: MLXThread | None = None
         self._runner: ModelRunner | None = None
+        self._group: TensorParallelGroup | None = None  # rank 0's handle on the other ranks (tensor parallelism)
         self._core: EngineCore | None = None
         self._inputs: InputProcessor | None = None
         self._outputs: OutputProcessor | None = None
@@ -101,9 +103,14 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._mlx = MLXThread()
         try:
-            loaded = await self._mlx.run(load_model, self.config.model, dtype=weights_dtype(self.config.dtype))
-            self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints)
+            if self.config.tensor_parallel_size > 1:
+                loaded = await self._start_ranks()
+            else:
+                loaded = await self._mlx.run(load_model, self.config.model, dtype=weights_dtype(self.config.dtype))
+                self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints)
         except BaseException:
+            if self._group is not None:
+                self._group.close(timeout_s=0)
             self._mlx.shutdown()
             self._state = "stopped"
             raise
@@ -120,13 +127,41 @@ class AsyncEngine:
             logger.warning("failpoints armed: %s", self._failpoints.points)
         self.metrics.set_info(model=self.model_name, dtype=self._runner.dtype_name,
                               kv_blocks=str(self._runner.kv_cache.num_blocks),
-                              block_size=str(self.config.block_size))
+                              block_size=str(self.config.block_size),
+                              tensor_parallel_size=str(self.config.tensor_parallel_size))
         self._loop_task = asyncio.create_task(self._core.run_forever(), name="metrale-engine-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
         self._state = "serving"
         logger.info("engine serving %s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
                     self._runner.kv_cache.num_blocks, self.config.block_size, self._max_model_len)
         return self
+
+    async def _start_ranks(self) -> LoadedModel:
+        """Tensor parallelism: start ranks 1..N-1, join the ring, load this rank's share of the model
+        and its runner, and wait for every rank at the startup barrier."""
+        loop = asyncio.get_running_loop()
+        dtype = weights_dtype(self.config.dtype)
+        self._group = TensorParallelGroup(
+            self.config.tensor_parallel_size,
+            on_failure=lambda error: loop.call_soon_threadsafe(self._on_rank_failure, error))
+        self._group.spawn(self.config.model, dtype)  # from the event-loop thread, which outlives the ranks
+        await self._group.wait_joining()
+        await self._mlx.run(self._group.join)
+        loaded = await self._mlx.run(load_model, self.config.model, dtype=dtype, shard=self._group.shard)
+        self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints,
+                                           self._group)
+        await self._mlx.run(self._group.start_steps, self._runner.kv_cache.num_blocks, self.config.block_size)
+        logger.info("tensor parallel: %d ranks, each with its share of the heads and MLP and its own KV pools",
+                    self.config.tensor_parallel_size)
+        return loaded
+
+    def _on_rank_failure(self, error: BaseException) -> None:
+        """A rank died or hung (event-loop thread): the engine is dead, every open request ends with an
+        error now, and the loop stops (its step in flight may never return from a dead collective)."""
+        if self._core is not None and self._core.dead is None:
+            self._core.die(error)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
 
     def _init_text(self, loaded: LoadedModel) -> None:
         template = ChatTemplate.for_tokenizer(loaded.tokenizer, loaded.config.architecture)
@@ -165,8 +200,12 @@ class AsyncEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._group is not None:  # the followers finish the step they are in and exit
+            await asyncio.to_thread(self._group.close)
         if self._mlx is not None:
-            await asyncio.to_thread(self._mlx.shutdown)
+            # after a rank failed, the step in flight may wait forever in a collective of the dead ring
+            group_failed = self._group is not None and self._group.failure is not None
+            await asyncio.to_thread(self._mlx.shutdown, not group_failed)
         if self._tokenize_thread is not None:
             self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
         if self._runner is not None:

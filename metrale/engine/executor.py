@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import StepInput, StepResult
+from metrale.errors import TensorParallelError
 from metrale.outputs import TokenLogprob
 from scheduler import ScheduledRequest, SchedulerOutput
 
@@ -76,6 +77,8 @@ class StepExecutor:
         sub = step if len(group) == len(step.scheduler_output.scheduled) else step.for_group(group)
         try:
             result = await self._mlx.run(self._runner.execute, sub)
+        except TensorParallelError:  # a rank is gone: no sub-batch can run either, the engine dies
+            raise
         except Exception as error:  # contained: the caller splits the batch
             return error
         outcome.merge(result)

@@ -24,6 +24,7 @@ class MLXThread:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    def shutdown(self) -> None:
-        """Wait for the running call (if any) and stop the thread."""
-        self._executor.shutdown(wait=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Wait for the running call (if any) and stop the thread. wait=False leaves a call that can
+        never return (a collective whose peer died) behind: the thread ends with it, or never."""
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)

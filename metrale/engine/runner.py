@@ -23,9 +23,10 @@ from typing import Sequence
 
 from kernels.backend import Backends, select_backends
 from kernels.runtime import mx
-from kvcache.attention import AttentionMetadata
 from kvcache.storage import PagedKVCache
 from metrale.config import EngineConfig
+from metrale.distributed.group import TensorParallelGroup
+from metrale.distributed.messages import ForwardInput
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import TokenLogprob
@@ -138,7 +139,9 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends,
                  failpoints: Failpoints = NO_FAILPOINTS, drafter: DraftModelProposer | None = None,
-                 grammar_compiler: GrammarCompiler | None = None) -> None:
+                 grammar_compiler: GrammarCompiler | None = None, group: TensorParallelGroup | None = None) -> None:
+        """`group`: rank 0's tensor-parallel group when the model is sharded (every step is sent to
+        the other ranks, which run the same forward; only this rank samples)."""
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_name = loaded.path.stem
@@ -151,24 +154,33 @@ class ModelRunner:
         self.drafter = drafter  # the runner-side proposer, when speculation uses a draft model
         self.grammar_compiler = grammar_compiler  # shared with the engine, which compiles ahead of submit
         self.constraints = TokenConstraints(self.model_config.vocab_size, grammar_compiler)
+        self.group = group
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig,
-                    failpoints: Failpoints = NO_FAILPOINTS) -> "ModelRunner":
+    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig, failpoints: Failpoints = NO_FAILPOINTS,
+                    group: TensorParallelGroup | None = None) -> "ModelRunner":
         """Allocate the KV pools from the budget and choose the kernels for a loaded model (and load
-        the draft model, whose pools share the budget, when speculation uses one)."""
+        the draft model, whose pools share the budget, when speculation uses one). With a
+        tensor-parallel `group` the model holds this rank's share: its pools hold its kv heads only,
+        and the budget is per rank."""
+        if (group.size if group is not None else 1) != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs the model sharded over a group "
+                             f"of that size (AsyncEngine starts one); got {group.size if group else 'no group'}")
         mc = loaded.config
+        kv_heads = mc.num_key_value_heads // config.tensor_parallel_size
         spec = config.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
             draft = load_model(spec.model, dtype=weights_dtype(config.dtype))
             check_draft_model(loaded, draft)
-        per_block = _bytes_per_block(loaded, config.block_size) + (_bytes_per_block(draft, config.block_size) if draft else 0)
+        per_block = (PagedKVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, kv_heads, mc.head_dim,
+                                                  loaded.dtype)
+                     + (_bytes_per_block(draft, config.block_size) if draft else 0))
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"KV budget of {config.kv_cache_bytes} bytes holds no block of {per_block} bytes")
-        kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
-                                mc.head_dim, loaded.dtype)
+        kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size, kv_heads, mc.head_dim,
+                                loaded.dtype)
         backends = select_backends()
         logger.info("%s, %s; %s", loaded.path.name, loaded.describe_quantization(), backends.describe())
         drafter = None
@@ -178,7 +190,7 @@ class ModelRunner:
                                        dc.head_dim, draft.dtype)
             drafter = DraftModelProposer(draft.model, draft_cache, backends.attention)
             logger.info("speculating with draft model %s (%d layers)", draft.path.name, dc.num_hidden_layers)
-        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter, grammar_compiler_for(loaded))
+        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter, grammar_compiler_for(loaded), group)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "ModelRunner":
@@ -188,23 +200,31 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> StepResult:
         """One forward over every scheduled token (drafts included); samples where a request reaches
-        its end, verifies where it speculates."""
+        its end, verifies where it speculates. Under tensor parallelism the other ranks run the same
+        forward (metrale.distributed) and a failure of the group raises TensorParallelError."""
+        if self.group is not None:
+            return self.group.run_step(self._execute, step)
+        return self._execute(step)
+
+    def _execute(self, step: StepInput) -> StepResult:
         self.constraints.forget(step.finished_request_ids)
         scheduled = step.scheduler_output.scheduled
         if self.failpoints:
             self.failpoints.check_any("execute", [s.request_id for s in scheduled])
         if self.drafter is not None and step.finished_request_ids:
             self.drafter.forget(step.finished_request_ids)
-        self._copy_blocks(step.scheduler_output.block_copies)
+        self._copy_draft_blocks(step.scheduler_output.block_copies)
         drafts = self._drafts(step)  # request id -> its draft tokens
-        metadata = AttentionMetadata.build(
-            [s.num_tokens for s in scheduled],
-            [s.start_position + s.num_tokens for s in scheduled],
-            [s.block_table for s in scheduled],
-            self.kv_cache.block_size,
-            backend=self.backends.attention)
-        flat = [t for s in scheduled for t in (*s.token_ids, *drafts.get(s.request_id, ()))]
-        hidden = self.model(mx.array(flat, dtype=mx.int32), metadata.positions, self.kv_cache, metadata)  # (T, D)
+        forward = ForwardInput(
+            token_ids=tuple(t for s in scheduled for t in (*s.token_ids, *drafts.get(s.request_id, ()))),
+            query_lens=tuple(s.num_tokens for s in scheduled),
+            context_lens=tuple(s.start_position + s.num_tokens for s in scheduled),
+            block_tables=tuple(s.block_table for s in scheduled),
+            block_size=self.kv_cache.block_size,
+            block_copies=tuple(step.scheduler_output.block_copies))
+        if self.group is not None:
+            self.group.send_forward(forward)  # the other ranks run it with this one
+        hidden = forward.run(self.model, self.kv_cache, self.backends.attention)  # (T, D)
         sample_rows, verify_rows, row = [], [], 0
         for s in scheduled:
             row += s.num_tokens
@@ -215,11 +235,13 @@ class ModelRunner:
         prompt = PromptRows.plan(scheduled, step.prompt_logprobs)
         if not sample_rows and not verify_rows and not prompt.rows:  # prompt chunks only: just fill the pools
             mx.eval(self._pools())
+            self._forward_launched()
             return StepResult({})
         num_sampled = len(sample_rows) + len(verify_rows)
         rows = mx.array(sample_rows + verify_rows + prompt.rows, dtype=mx.int32)
         logits = self.model.compute_logits(hidden[rows])  # (S' + sum(k + 1) + prompt rows, V)
         mx.async_eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
+        self._forward_launched()
         prompt_logprobs = prompt.logprobs(logits[num_sampled:]) if prompt.rows else None
         sampled: dict[str, int | list[int]] = {}
         logprobs, stopped, errors = None, frozenset(), None
@@ -247,13 +269,12 @@ class ModelRunner:
         if self.grammar_compiler is not None:
             self.grammar_compiler.shutdown()
 
-    def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
-        """Forked requests' copies of their parent's partial block, before anything writes them. Safe to
-        repeat (a retried step): the child rewrites only positions after those its parent had computed."""
-        if copies:
-            self.kv_cache.copy_blocks(copies)
-            if self.drafter is not None:
-                self.drafter.kv_cache.copy_blocks(copies)
+    def _copy_draft_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """The draft model's copies of forked requests' partial blocks (the target's pools copy theirs in
+        ForwardInput.run, on every rank). Safe to repeat (a retried step): the child rewrites only
+        positions after those its parent had computed."""
+        if copies and self.drafter is not None:
+            self.drafter.kv_cache.copy_blocks(copies)
 
     def _drafts(self, step: StepInput) -> dict[str, tuple[int, ...]]:
         """The drafts of every speculating request: given by the scheduler, or proposed here."""
@@ -270,6 +291,10 @@ class ModelRunner:
                 raise RuntimeError(f"{len(asks)} requests want drafts from the runner, which has no draft model")
             drafts.update((rid, tuple(d)) for rid, d in self.drafter.propose(asks).items())
         return drafts
+
+    def _forward_launched(self) -> None:
+        if self.group is not None:
+            self.group.forward_launched()
 
     def _pools(self) -> list[mx.array]:
         return [pool for layer in range(self.kv_cache.num_layers) for pool in self.kv_cache.layer(layer)]

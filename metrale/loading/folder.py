@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kernels.runtime import mx
+from kernels.runtime import mx, nn
 
 from metrale.loading.default_model import ModelNotFoundError
 from metrale.loading.weights import LoadedModel, build_model, keep_quantized_default
@@ -160,7 +160,8 @@ def _tokenizer(folder: Path) -> Tokenizer:
 
 
 def load_folder(
-    folder: str | Path, *, keep_quantized: bool | None = None, dtype: mx.Dtype | None = None
+    folder: str | Path, *, keep_quantized: bool | None = None, dtype: mx.Dtype | None = None,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face / MLX model folder with its tokenizer.
 
@@ -183,7 +184,8 @@ def load_folder(
     tokenizer = _tokenizer(folder)
     weights = hf_to_model_names(_read_weights(folder), config)
     model, quantized = build_model(
-        config, weights, keep_quantized=keep, dtype=dtype, quantization=_renamed_quantization(quantization)
+        config, weights, keep_quantized=keep, dtype=dtype, quantization=_renamed_quantization(quantization),
+        shard=shard,
     )
     return LoadedModel(
         model=model, config=config, tokenizer=tokenizer, path=folder, dtype=dtype,

@@ -25,11 +25,11 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kernels.runtime import mx
+from kernels.runtime import mx, nn
 import numpy as np
 
 from metrale.loading.default_model import ModelNotFoundError, default_model_path
@@ -189,7 +189,8 @@ def requantize_widened(weights: dict[str, mx.array], metadata: Mapping[str, Any]
 
 
 def load_gguf(
-    path: str | Path | None = None, *, keep_quantized: bool | None = None, dtype: mx.Dtype | None = None
+    path: str | Path | None = None, *, keep_quantized: bool | None = None, dtype: mx.Dtype | None = None,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> LoadedModel:
     """Load a GGUF model file (None: the default model) with its tokenizer.
 
@@ -216,7 +217,7 @@ def load_gguf(
     del raw
     if keep:
         requantize_widened(weights, metadata)
-    model, quantized = build_model(config, weights, keep_quantized=keep, dtype=dtype)
+    model, quantized = build_model(config, weights, keep_quantized=keep, dtype=dtype, shard=shard)
     return LoadedModel(
         model=model, config=config, tokenizer=tokenizer, path=path, dtype=dtype,
         quantization=quantized, load_seconds=time.perf_counter() - start,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -194,14 +194,16 @@ def check_weights(model: nn.Module, weights: Mapping[str, mx.array], config: Mod
 
 def build_model(
     config: ModelConfig, weights: dict[str, mx.array], *, keep_quantized: bool, dtype: mx.Dtype,
-    quantization: Mapping[str, Any] | None = None,
+    quantization: Mapping[str, Any] | None = None, shard: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, dict[str, dict[str, int]]]:
     """The model of `config` holding `weights` (the model's names; quantized triples allowed).
 
     `quantization` is an mlx-lm config's "quantization" entry, when there is one. Consumes
     `weights`. Returns (model, {quantized module path: {"group_size", "bits"}}), the mapping empty
     when every triple was dequantized. Kept quantized on CPU with the kernels built (METRALE_MATMUL),
-    the layers run on kernels/qmm.py. ValueError on missing, extra or mis-shaped weights."""
+    the layers run on kernels/qmm.py. `shard`, when given, is called on the model once its weights are
+    loaded and before the CPU kernels' swap (tensor parallelism: metrale.distributed.sharding keeps
+    this rank's share). ValueError on missing, extra or mis-shaped weights."""
     model = get_model_class(config.architecture)(config)
     float_shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}  # no eval: lazy init
     if quantization is not None and quantization.get("mode", "affine") != "affine":
@@ -223,6 +225,8 @@ def build_model(
     model.load_weights(list(weights.items()), strict=True)
     weights.clear()
     model.eval()
+    if shard is not None:
+        shard(model)
     if cpu_kernels and quantized:
         use_cpu_kernels(model)  # repacks layer by layer; the MLX-layout copies are freed as it goes
     mx.eval(model.parameters())

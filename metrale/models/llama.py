@@ -23,13 +23,23 @@ from metrale.models.config import ModelConfig
 from metrale.models.rope import FlatRope
 
 
+def _sum_across(x: mx.array, group: mx.distributed.Group | None) -> mx.array:
+    """x summed over the ranks of `group` (a row-parallel layer's partial sums); x itself without one."""
+    return x if group is None else mx.distributed.all_sum(x, group=group)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention of one layer over the paged cache.
 
     Subclasses pick the projection biases (`qkv_bias`, `out_bias`; default: the config's
     attention_bias) and a per-head norm of q and k before RoPE (`qk_norm`: a norm class built as
     `qk_norm(head_dim, eps=...)`, qwen3 and gemma3). The window, the RoPE base and the scale come
-    from the config, per layer."""
+    from the config, per layer.
+
+    Under tensor parallelism (metrale.distributed.sharding) a rank holds n_heads / N heads and
+    n_kv_heads / N kv heads, and `tp_group` is set: o_proj's partial sums are added across the ranks."""
+
+    tp_group: mx.distributed.Group | None = None
 
     def __init__(
         self,
@@ -79,12 +89,15 @@ class LlamaAttention(nn.Module):
         k_pool, v_pool = kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
         out = paged_attention(q, k_pool, v_pool, metadata, self.scale, sliding_window=self.sliding_window)
         # out (T, n_heads, head_dim)
-        return self.o_proj(out.reshape(num_tokens, self.n_heads * self.head_dim))  # (T, D)
+        return _sum_across(self.o_proj(out.reshape(num_tokens, self.n_heads * self.head_dim)), self.tp_group)  # (T, D)
 
 
 class LlamaMLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)), act from config.hidden_act (SwiGLU for silu,
-    GeGLU for gemma's gelu_pytorch_tanh)."""
+    GeGLU for gemma's gelu_pytorch_tanh). Under tensor parallelism a rank holds intermediate / N
+    features and `tp_group` is set: down_proj's partial sums are added across the ranks."""
+
+    tp_group: mx.distributed.Group | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -102,7 +115,7 @@ class LlamaMLP(nn.Module):
             hidden = self.gate_up_proj(x)  # (T, intermediate)
         else:
             hidden = self._gated_activation(self.gate_proj(x), self.up_proj(x))  # (T, intermediate)
-        return self.down_proj(hidden)  # (T, D)
+        return _sum_across(self.down_proj(hidden), self.tp_group)  # (T, D)
 
 
 class LlamaDecoderLayer(nn.Module):

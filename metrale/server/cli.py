@@ -65,6 +65,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=defaults.block_size)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=defaults.seed)
+    engine.add_argument("--tensor-parallel", type=int, default=defaults.tensor_parallel_size, metavar="N",
+                        help="shard the model over N ranks on this machine (MLX ring backend on 127.0.0.1); "
+                             "this process is rank 0 and starts the others")
     engine.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                              '\'{"method": "draft_model", "model": "small.gguf"}\' (default: off)')
@@ -140,7 +143,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-                        seed=args.seed, speculative_config=args.speculative_config)
+                        seed=args.seed, speculative_config=args.speculative_config,
+                        tensor_parallel_size=args.tensor_parallel)
 
 
 class DrainingServer(uvicorn.Server):

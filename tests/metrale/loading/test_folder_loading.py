@@ -192,7 +192,7 @@ def test_dispatch_gguf_file_and_default(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(gguf_module, "load_gguf", lambda p, **kw: calls.append((p, kw)) or "default")
     assert load_model(None, dtype=mx.float16) == "default"
-    assert calls == [(None, {"dtype": mx.float16, "keep_quantized": None})]
+    assert calls == [(None, {"dtype": mx.float16, "keep_quantized": None, "shard": None})]
 
 
 def _fake_hub_cache(cache, repo_id, source):
