@@ -21,6 +21,20 @@ from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
 
 
+
+async def _deltas_until_closed(stream: RequestStream | GroupStream) -> AsyncIterator[RequestOutput]:
+    """What `async for` iterates over a stream: ending the loop early in any way (break, an
+    exception, the task cancelled) closes the stream, which aborts its request(s)."""
+    try:
+        while True:
+            try:
+                output = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            yield output
+    finally:
+        stream._close()
+
 class OutputChannel:
     """The engine's side of one stream: holds at most one pending delta, merging later ones into it.
 
@@ -83,19 +97,7 @@ class RequestStream:
         return self._channel.request_id
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[RequestOutput]:
-        """What `async for` iterates: ending the loop early in any way aborts the request."""
-        try:
-            while True:
-                try:
-                    output = await self.__anext__()
-                except StopAsyncIteration:
-                    return
-                yield output
-        finally:
-            self._close()
+        return _deltas_until_closed(self)
 
     async def __anext__(self) -> RequestOutput:
         if self._raise_next is not None:
@@ -169,18 +171,7 @@ class GroupStream:
         return tuple(channel.request_id for channel in self._channels)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                try:
-                    output = await self.__anext__()
-                except StopAsyncIteration:
-                    return
-                yield output
-        finally:
-            self._close()
+        return _deltas_until_closed(self)
 
     async def __anext__(self) -> RequestOutput:
         if self._raise_next is not None:
