@@ -13,16 +13,6 @@ from kernels.norm_rope import RMSNorm, rope_inv_frequencies, rope_qk, rope_table
 kernel = _ext.load()
 needs_kernel = pytest.mark.skipif(kernel is None or not hasattr(kernel, "rope_qk"),
                                   reason="kernels not built: python -m kernels.build")
-ISAS = _ext.supported_isas() if kernel is not None else []
-
-
-@pytest.fixture(params=ISAS or ["none"])
-def isa(request):
-    if kernel is None:
-        pytest.skip("kernels not built")
-    _ext.set_cpu_isa(request.param)
-    yield request.param
-    _ext.set_cpu_isa("auto")
 
 
 def normal(shape, seed=0, scale=1.0):

@@ -33,16 +33,6 @@ RMS_TOL = {(bits, gs, 8): 1e-2 for bits, gs in FORMATS} | {(bits, gs, 16): 1e-4 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(params=ISAS or ["none"])
-def isa(request):
-    """Each test runs once per instruction set this build has and this CPU runs."""
-    if kernel is None:
-        pytest.skip("kernels not built")
-    _ext.set_cpu_isa(request.param)
-    yield request.param
-    _ext.set_cpu_isa("auto")
-
-
 def random_weight(rng, n, k, bits, gs, spread=1.0):
     """(MLX triple, dequantized float32 (n, k) numpy, q (n, k) numpy ints)."""
     w = mx.array((rng.standard_normal((n, k)) * spread).astype(np.float32))
