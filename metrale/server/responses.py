@@ -127,15 +127,16 @@ async def _full_response(response: _Response, tool_stream: tools.ToolCallStream 
     if last is None or last.finish_reason == "abort":
         raise APIError(503, _ABORTED, code="aborted")
     text = "".join(texts)
+    item_status = _status(last.finish_reason)  # a message cut by max_output_tokens is "incomplete" too
     content, calls = text, []
     if tool_stream is not None:
         message = tool_stream.message(text)
         content, calls = message["content"] or "", message.get("tool_calls", [])
     if content:
-        response.output.append(_message_item(_new_id("msg"), content, "completed"))
+        response.output.append(_message_item(_new_id("msg"), content, item_status))
     for call in calls:
         response.output.append(_call_item(_new_id("fc"), call["id"], call["function"]["name"],
-                                          call["function"]["arguments"], "completed"))
+                                          call["function"]["arguments"], item_status))
     await send_json(send, 200, response.body(_status(last.finish_reason), last))
 
 
@@ -166,7 +167,7 @@ class _EventStream:
         await self.emit("response.output_text.delta", item_id=self.message["id"], output_index=self.message["index"],
                         content_index=0, delta=delta, logprobs=[])
 
-    async def close_message(self) -> None:
+    async def close_message(self, status: str = "completed") -> None:
         message, self.message = self.message, None
         if message is None:
             return
@@ -174,7 +175,7 @@ class _EventStream:
         await self.emit("response.output_text.done", **where, text=message["text"], logprobs=[])
         await self.emit("response.content_part.done", **where,
                         part={"type": "output_text", "text": message["text"], "annotations": []})
-        item = _message_item(message["id"], message["text"], "completed")
+        item = _message_item(message["id"], message["text"], status)
         self.response.output[message["index"]] = item
         await self.emit("response.output_item.done", output_index=message["index"], item=item)
 
@@ -194,12 +195,13 @@ class _EventStream:
             await self.emit("response.function_call_arguments.delta", item_id=state["id"],
                             output_index=state["index"], delta=arguments)
 
-    async def close_all(self) -> None:
-        await self.close_message()
+    async def close_all(self, status: str) -> None:
+        """Close the open items with `status` ("completed", or "incomplete" when the output was cut)."""
+        await self.close_message(status)
         for state in self.calls.values():
             await self.emit("response.function_call_arguments.done", item_id=state["id"], output_index=state["index"],
                             name=state["name"], arguments=state["arguments"])
-            item = _call_item(state["id"], state["call_id"], state["name"], state["arguments"], "completed")
+            item = _call_item(state["id"], state["call_id"], state["name"], state["arguments"], status)
             self.response.output[state["index"]] = item
             await self.emit("response.output_item.done", output_index=state["index"], item=item)
         self.calls = {}
@@ -232,7 +234,7 @@ async def _stream_response(response: _Response, tool_stream: tools.ToolCallStrea
         await events.emit("response.failed", response=response.body("failed", last, {"code": "aborted",
                                                                                     "message": _ABORTED}))
         return await sse.end()
-    await events.close_all()
     status = _status(last.finish_reason)
+    await events.close_all(status)
     await events.emit(f"response.{status}", response=response.body(status, last))
     await sse.end()

@@ -73,6 +73,7 @@ async def test_text_in_text_out(client, engine):
     assert response.usage.input_tokens_details.cached_tokens >= 0
     if response.status == "incomplete":
         assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].status == response.status  # a message cut by max_output_tokens is incomplete too
     await clean(engine)
 
 
@@ -99,6 +100,8 @@ async def test_streamed_events_build_the_same_text(client, engine):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == full.output_text
     assert events[-1].response.output_text == text and events[-1].response.usage.output_tokens == full.usage.output_tokens
+    item_done = next(e for e in events if e.type == "response.output_item.done")
+    assert item_done.item.status == events[-1].response.output[0].status == full.status
     await clean(engine)
 
 
