@@ -35,7 +35,8 @@ from metrale.sampling.guided import GrammarCompiler
 from metrale.sampling.prompt_logprobs import PromptRows
 from metrale.sampling.sampler import Sampler
 from metrale.sampling_params import SamplingParams
-from metrale.speculative.draft_model import DraftModelProposer, DraftRequest
+from metrale.speculative.draft_model import DraftModelProposer
+from metrale.speculative.proposers import DraftRequest, RunnerProposer
 from metrale.speculative.verify import accepted_runs
 from scheduler import ScheduledRequest, SchedulerOutput
 
@@ -138,7 +139,7 @@ class ModelRunner:
     """Owns the model, the KV pools and the sampler; executes steps."""
 
     def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends,
-                 failpoints: Failpoints = NO_FAILPOINTS, drafter: DraftModelProposer | None = None,
+                 failpoints: Failpoints = NO_FAILPOINTS, drafter: RunnerProposer | None = None,
                  grammar_compiler: GrammarCompiler | None = None, group: TensorParallelGroup | None = None) -> None:
         """`group`: rank 0's tensor-parallel group when the model is sharded (every step is sent to
         the other ranks, which run the same forward; only this rank samples)."""
@@ -274,7 +275,7 @@ class ModelRunner:
         ForwardInput.run, on every rank). Safe to repeat (a retried step): the child rewrites only
         positions after those its parent had computed."""
         if copies and self.drafter is not None:
-            self.drafter.kv_cache.copy_blocks(copies)
+            self.drafter.copy_blocks(copies)
 
     def _drafts(self, step: StepInput) -> dict[str, tuple[int, ...]]:
         """The drafts of every speculating request: given by the scheduler, or proposed here."""

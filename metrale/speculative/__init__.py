@@ -9,14 +9,14 @@ Sampled requests (temperature > 0) are not speculated, so nothing changes what a
 produces; neither are requests with penalties, logprobs or a min_tokens ban still in force.
 
     config.py       SpeculativeConfig: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
-    proposers.py    the host-side proposer interface and n-gram prompt lookup (pure Python)
+    proposers.py    the proposer interfaces (HostProposer, RunnerProposer) and n-gram prompt lookup (pure Python)
     policy.py       who speculates this step and with how many drafts (acceptance-adaptive, off as the batch fills)
     draft_model.py  the runner-side proposer: a smaller model of the same tokenizer, its own paged KV
     verify.py       greedy verification of a step's speculative segments (one argmax, one .tolist())
 
 Proposers come in two kinds. Host-side ones (`HostProposer`: n-gram lookup, or a test's oracle) run on
 the event loop before `schedule()` and hand their drafts to the scheduler. Runner-side ones
-(`draft_model.DraftModelProposer`) run on the MLX thread inside the step, given the request's tokens
-and block table; a model's own multi-token-prediction heads would be one of these (it would read the
+(`RunnerProposer`: `draft_model.DraftModelProposer`) run on the MLX thread inside the step, given the
+request's tokens and block table; a model's own multi-token-prediction heads would be one of these (it would read the
 target's hidden states of the previous step): none of the models metrale loads has such heads.
 """

@@ -16,22 +16,12 @@ back on the device; one .tolist() at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 from kernels.runtime import mx
 from kvcache.attention import AttentionMetadata
 from kvcache.storage import PagedKVCache
-
-
-@dataclass(frozen=True, slots=True)
-class DraftRequest:
-    """One request to propose for: its known tokens (the last is x_L), its block table (covering
-    L + k positions, the drafts' lookahead included) and how many drafts it wants."""
-
-    request_id: str
-    context: tuple[int, ...]
-    block_table: tuple[int, ...]
-    num_drafts: int
+from metrale.speculative.proposers import DraftRequest
 
 
 class DraftModelProposer:
@@ -79,7 +69,12 @@ class DraftModelProposer:
             self._tables[r.request_id] = r.block_table
         return {r.request_id: row[:r.num_drafts] for r, row in zip(requests, proposed)}
 
-    def forget(self, request_ids) -> None:
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """The target copied these blocks for forked requests: the draft pools copy them too. Safe to
+        repeat (a retried step): the child rewrites only positions after those its parent had computed."""
+        self.kv_cache.copy_blocks(copies)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self._valid.pop(request_id, None)
             self._tables.pop(request_id, None)

@@ -1,7 +1,14 @@
-"""Host-side proposers: drafts made on the event loop before the step is scheduled.
+"""The two proposer interfaces, and n-gram prompt lookup.
+
+Host-side proposers (`HostProposer`) make drafts on the event loop before the step is scheduled:
 
     propose(request_id, token_ids, k) -> up to k draft token ids (fewer, or none, is fine)
     forget(request_id)                -> the request ended: drop what was kept for it
+
+Runner-side proposers (`RunnerProposer`) make them on the MLX thread inside the step, for the requests
+the scheduler gave draft slots, from their tokens and block tables: the draft model
+(draft_model.DraftModelProposer), or a model's own multi-token-prediction heads (none of the families
+metrale loads has them; such a proposer would also keep the target's last hidden states per request).
 
 NgramProposer is prompt lookup decoding: find the most recent earlier occurrence of the longest
 suffix n-gram (n from prompt_lookup_max down to prompt_lookup_min) of prompt + output, and propose
@@ -11,7 +18,8 @@ occurrence} updated incrementally as its tokens grow, so a proposal costs O(max 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -19,6 +27,31 @@ class HostProposer(Protocol):
     def propose(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]: ...
 
     def forget(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One request to propose for: its known tokens (the last is x_L), its block table (covering
+    L + k positions, the drafts' lookahead included) and how many drafts it wants."""
+
+    request_id: str
+    context: tuple[int, ...]
+    block_table: tuple[int, ...]
+    num_drafts: int
+
+
+class RunnerProposer(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        """Up to `num_drafts` draft token ids per request id (batched over `requests`)."""
+        ...
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """These requests ended: drop what was kept for them."""
+        ...
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Forked requests' partial blocks were copied in the target's pools: copy any KV kept per block."""
+        ...
 
 
 class _NgramIndex:
