@@ -35,6 +35,14 @@ async def _deltas_until_closed(stream: RequestStream | GroupStream) -> AsyncIter
     finally:
         stream._close()
 
+
+def _failure(channel: OutputChannel) -> RequestFailedError:
+    """What a stream raises after a failed request's last delta, chained to the original error."""
+    cause = channel.error
+    failure = RequestFailedError(channel.request_id, f"{type(cause).__name__}: {cause}")
+    failure.__cause__ = cause
+    return failure
+
 class OutputChannel:
     """The engine's side of one stream: holds at most one pending delta, merging later ones into it.
 
@@ -113,14 +121,8 @@ class RequestStream:
         if output.finish_reason is not None:
             self._finished = True
             if output.finish_reason == "error":
-                self._raise_next = self._failure()
+                self._raise_next = _failure(self._channel)
         return output
-
-    def _failure(self) -> RequestFailedError:
-        cause = self._channel.error
-        failure = RequestFailedError(self.request_id, f"{type(cause).__name__}: {cause}")
-        failure.__cause__ = cause
-        return failure
 
     async def aclose(self) -> None:
         """End the stream now; the request is aborted unless it already finished."""
@@ -138,10 +140,7 @@ class RequestStream:
         self._close()
 
     def __del__(self) -> None:
-        # Dropped without reaching its end (iterated by hand with __anext__ and never closed): abort.
-        if not self._finished:
-            self._finished = True
-            self._abort(self.request_id)
+        self._close()  # dropped without reaching its end (iterated by hand and never closed): abort
 
 
 class GroupStream:
@@ -196,10 +195,7 @@ class GroupStream:
         if output.finish_reason is not None:
             self._open.remove(index)
             if output.finish_reason == "error":
-                cause = self._channels[index].error
-                failure = RequestFailedError(output.request_id, f"{type(cause).__name__}: {cause}")
-                failure.__cause__ = cause
-                self._raise_next = failure
+                self._raise_next = _failure(self._channels[index])
                 self._close()  # its siblings end too (the engine fails them; this aborts any it did not)
         return output
 

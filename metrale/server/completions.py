@@ -33,7 +33,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     FINGERPRINT = "metrale-dev"
 
 
-_ABORTED = "request was aborted by the server (shutting down)"
+ABORTED = "request was aborted by the server (shutting down)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
     if plan is not None:
         params = plan.params(params)
-    await prepare_params(engine, params, "tools" if plan is not None and plan.choice in ("required", "named")
+    await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output
                    else structured.source_of(request))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     try:
@@ -125,7 +125,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id or uuid.uuid4().hex}",
                      int(time.time()), model,
                      include_usage, params.logprobs,
-                     plan if plan is not None and plan.stream() is not None else None, params.n, echo,
+                     plan if plan is not None and plan.parses_calls else None, params.n, echo,
                      tuple(prompt_ids), request.prompt_logprobs)
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     except APIError:
@@ -164,7 +164,7 @@ async def _full_response(engine: EngineClient, call: _Call, stream: Any, send: S
     except RequestFailedError as error:
         raise APIError(500, str(error), code="request_failed") from error
     if any(c.last is None or c.last.finish_reason == "abort" for c in choices):
-        raise APIError(503, _ABORTED, code="aborted")
+        raise APIError(503, ABORTED, code="aborted")
     body = {**call.envelope(chunk=False), "choices": [c.render(engine, call, prompt_logprobs) for c in choices],
             "usage": _usage([c.last for c in choices])}
     if call.chat and call.prompt_logprobs is not None:  # vLLM puts a chat response's at the top level
@@ -196,7 +196,7 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
         await sse.event(APIError(500, str(error), code="request_failed").body())
     if not failed:
         if any(c.last is None or c.last.finish_reason == "abort" for c in choices):
-            await sse.event(APIError(503, _ABORTED, code="aborted").body())
+            await sse.event(APIError(503, ABORTED, code="aborted").body())
         elif call.include_usage:
             await sse.event({**call.envelope(chunk=True), "choices": [], "usage": _usage([c.last for c in choices])})
     await sse.done()

@@ -11,7 +11,7 @@ other origins get no CORS headers (the browser then hides the response); a prefl
 
 from __future__ import annotations
 
-from metrale.server.asgi import Scope
+from metrale.server.asgi import Scope, header
 
 ALLOWED_METHODS = b"GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = b"authorization, content-type, x-request-id"
@@ -39,19 +39,15 @@ class CorsPolicy:
     def __bool__(self) -> bool:
         return self.any_origin or bool(self.origins)
 
-    @staticmethod
-    def _header(scope: Scope, name: bytes) -> bytes | None:
-        return next((value for key, value in scope["headers"] if key == name), None)
-
     def allows(self, origin: bytes) -> bool:
         return self.any_origin or origin in self.origins
 
     def is_preflight(self, scope: Scope) -> bool:
-        return scope["method"] == "OPTIONS" and self._header(scope, b"access-control-request-method") is not None
+        return scope["method"] == "OPTIONS" and header(scope, b"access-control-request-method") is not None
 
     def response_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         """The headers of any response to this request (none when it has no allowed Origin)."""
-        origin = self._header(scope, b"origin")
+        origin = header(scope, b"origin")
         if origin is None or not self.allows(origin):
             return []
         if self.any_origin:
@@ -63,7 +59,7 @@ class CorsPolicy:
         headers = self.response_headers(scope)
         if not headers:
             return 403, []
-        requested = self._header(scope, b"access-control-request-headers")
+        requested = header(scope, b"access-control-request-headers")
         return 204, headers + [(b"access-control-allow-methods", ALLOWED_METHODS),
                                (b"access-control-allow-headers", requested or DEFAULT_ALLOWED_HEADERS),
                                (b"access-control-max-age", PREFLIGHT_MAX_AGE_S)]

@@ -27,10 +27,9 @@ from metrale.outputs import RequestOutput
 from metrale.server import protocol, tools
 from metrale.server import responses_protocol as rp
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
-from metrale.server.completions import prepare_params
+from metrale.server.completions import ABORTED, prepare_params
 from metrale.server.errors import APIError, from_engine_error
 
-_ABORTED = "request was aborted by the server (shutting down)"
 
 
 def _new_id(prefix: str) -> str:
@@ -93,7 +92,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
     plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
     if plan is not None:
         params = plan.params(params)
-    await prepare_params(engine, params, "tools" if plan is not None and plan.choice in ("required", "named") else "text")
+    await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output else "text")
     response = _Response(request, model)
     try:
         messages = tools.template_messages(rp.chat_messages(request))
@@ -125,7 +124,7 @@ async def _full_response(response: _Response, tool_stream: tools.ToolCallStream 
     except RequestFailedError as error:
         raise APIError(500, str(error), code="request_failed") from error
     if last is None or last.finish_reason == "abort":
-        raise APIError(503, _ABORTED, code="aborted")
+        raise APIError(503, ABORTED, code="aborted")
     text = "".join(texts)
     item_status = _status(last.finish_reason)  # a message cut by max_output_tokens is "incomplete" too
     content, calls = text, []
@@ -232,7 +231,7 @@ async def _stream_response(response: _Response, tool_stream: tools.ToolCallStrea
         return await sse.end()
     if last is None or last.finish_reason == "abort":
         await events.emit("response.failed", response=response.body("failed", last, {"code": "aborted",
-                                                                                    "message": _ABORTED}))
+                                                                                    "message": ABORTED}))
         return await sse.end()
     status = _status(last.finish_reason)
     await events.close_all(status)

@@ -43,6 +43,16 @@ class ToolPlan:
     parallel: bool = True
 
     @property
+    def constrains_output(self) -> bool:
+        """"required" and a named function: the output must be a valid call (a grammar enforces it)."""
+        return self.choice in ("required", "named")
+
+    @property
+    def parses_calls(self) -> bool:
+        """Whether the output is parsed for tool calls (everything but "none")."""
+        return self.choice != "none"
+
+    @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         return list(self.tools) if self.choice != "none" and self.tools else None
 
@@ -60,7 +70,7 @@ class ToolPlan:
 
     def stream(self) -> "ToolCallStream | None":
         """The per-response parser state; None when the output is plain content."""
-        if self.choice == "none":
+        if not self.parses_calls:
             return None
         if self.choice == "named":
             return ToolCallStream(NamedCallParser(self.named), forced=True)  # type: ignore[arg-type]
@@ -83,7 +93,6 @@ class ToolCallStream:
     parser: ToolCallParser
     forced: bool = False  # a named function: finish_reason stays "stop"
     ids: dict[int, str] = field(default_factory=dict)
-    deltas: list[ParserDelta] = field(default_factory=list)
 
     def feed(self, text: str) -> dict[str, Any]:
         """The chat `delta` fields for a piece of output text ({} when nothing is certain yet)."""
@@ -108,9 +117,10 @@ class ToolCallStream:
 
     def message(self, text: str) -> dict[str, Any]:
         """The non-streamed message: the same parser over the whole text."""
-        self.feed(text)
-        self.finish()
-        parsed = collect(self.deltas)
+        deltas = [self.parser.feed(text), self.parser.finish()]
+        for delta in deltas:
+            self._fields(delta)  # the call ids, in order
+        parsed = collect(deltas)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["content"] = parsed.content if parsed.content.strip() else None
@@ -120,7 +130,6 @@ class ToolCallStream:
         return message
 
     def _fields(self, delta: ParserDelta) -> dict[str, Any]:
-        self.deltas.append(delta)
         fields: dict[str, Any] = {}
         if delta.content:
             fields["content"] = delta.content
