@@ -182,7 +182,6 @@ class QuantizedLinearCPU(nn.Module):
         self.bits, self.group_size = bits, group_size
         self.activation_bits = matmul_activation_bits() if activation_bits is None else activation_bits
         self.columns = tuple(int(c) for c in columns)
-        self._columns = list(self.columns)  # as the extension takes them
         self.glu = glu
         self._glu_code = -1 if glu is None else GLU_KINDS[glu]
         self.in_features = scales.shape[1] * group_size
@@ -215,10 +214,10 @@ class QuantizedLinearCPU(nn.Module):
         x32 = x if dtype == mx.float32 else x.astype(mx.float32)
         if self.blas_rows is not None and x.size >= self.blas_rows * self.in_features:
             outs = dequantized_matmul(x32, self["q"], self["scales"], self["biases"], bits=self.bits,
-                                      columns=self._columns, glu=self._glu_code)
+                                      columns=self.columns, glu=self._glu_code)
         else:
             outs = ext.quantized_matmul(x32, self["q"], self["scales"], self["biases"], bits=self.bits,
-                                        group_size=self.group_size, columns=self._columns, glu=self._glu_code,
+                                        group_size=self.group_size, columns=self.columns, glu=self._glu_code,
                                         activation_bits=self.activation_bits)
         bias = self.get("bias")
         if bias is not None:

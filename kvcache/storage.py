@@ -64,7 +64,8 @@ class PagedKVCache:
         self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self._values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self._keys, self._values)  # allocate now: the footprint is fixed from the start
-        self._kernel = attention_backend() == "kernel" and hasattr(ext.load(), "kv_write")
+        # the C++ K/V write (one node per pool), resolved once; None: MLX's scatter
+        self._kv_write = getattr(ext.load(), "kv_write", None) if attention_backend() == "kernel" else None
 
     @staticmethod
     def bytes_per_block(
@@ -130,10 +131,9 @@ class PagedKVCache:
         # Rebinding the list's arrays to the write's outputs leaves the old pools held only by the
         # graph, so the write reuses their buffers (no pool copy, see module docstring).
         keys, values = keys.astype(self.dtype), values.astype(self.dtype)
-        if self._kernel and slot_mapping.dtype == mx.int32:
-            module = ext.load()
-            self._keys[layer] = module.kv_write(self._keys[layer], keys, slot_mapping)
-            self._values[layer] = module.kv_write(self._values[layer], values, slot_mapping)
+        if self._kv_write is not None and slot_mapping.dtype == mx.int32:
+            self._keys[layer] = self._kv_write(self._keys[layer], keys, slot_mapping)
+            self._values[layer] = self._kv_write(self._values[layer], values, slot_mapping)
         else:
             self._keys[layer][slot_mapping] = keys  # (num_slots, n_kv_heads, head_dim)
             self._values[layer][slot_mapping] = values  # (num_slots, n_kv_heads, head_dim)

@@ -254,8 +254,7 @@ class Scheduler:
                 )
             )
             req.num_computed_tokens = end + req.num_spec_tokens  # drafts rolled back in update()
-            req.spec_token_ids, req.num_spec_tokens = (), 0
-        for req in self._running:  # drafts of requests that got no slot this step are stale next step
+        for req in self._running:  # drafts are this step's (scheduled) or stale next step (not scheduled)
             req.spec_token_ids, req.num_spec_tokens = (), 0
         # a child preempted before its copy ran has freed the copy's block: its copy is dropped
         copies = tuple(c for rid, pairs in self._pending_copies.items() if self._requests.get(rid) is not None

@@ -214,7 +214,7 @@ class EngineCore:
                 if not scheduled.draft_token_ids:
                     contexts[scheduled.request_id] = tuple(request.all_token_ids)
             elif scheduled.samples:
-                rows.append(SamplingRow(scheduled.request_id, self.states[scheduled.request_id].params,
+                rows.append(SamplingRow(scheduled.request_id, params,
                                         request.prompt_token_ids, request.output_token_ids))
         finished, self._finished_since_step = tuple(self._finished_since_step), []
         return StepInput(output, tuple(rows), contexts, finished, tuple(prompt_rows))
@@ -240,9 +240,7 @@ class EngineCore:
         for request_id, error in outcome.failed.items():
             reason = "abort" if request_id in self._pending_aborts else "error"
             self._finish(request_id, reason, error if reason == "error" else None, discard_cached=True)
-        if not outcome.failed:
-            self._failed_steps_in_a_row = 0
-        elif len(outcome.failed) < len(output.scheduled):
+        if len(outcome.failed) < len(output.scheduled):  # some request (or every one) got its token
             self._failed_steps_in_a_row = 0
         else:
             self._failed_steps_in_a_row += 1

@@ -38,7 +38,6 @@ class StepOutcome:
     failed: dict[str, BaseException] = field(default_factory=dict)  # culprits: request id -> its error
     stopped_request_ids: set[str] = field(default_factory=set)  # their constraint is complete: "stop"
     request_errors: dict[str, BaseException] = field(default_factory=dict)  # the runner could not serve them
-    retried: bool = False  # the first attempt failed and the batch was split
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
     def merge(self, result: StepResult) -> None:
@@ -66,7 +65,6 @@ class StepExecutor:
             return outcome
         logger.warning("step of %d requests failed (%s: %s); retrying in halves to find the culprit",
                        len(output.scheduled), type(error).__name__, error)
-        outcome.retried = True
         await self._bisect(output.scheduled, step, outcome)
         self._fail_sharers(output, outcome)
         return outcome
@@ -106,7 +104,7 @@ class StepExecutor:
         size = output.block_size
         unwritten: dict[int, str] = {}  # block id -> the culprit that was computing it
         for s in output.scheduled:
-            if s.request_id in outcome.failed and s.num_tokens:
+            if s.request_id in outcome.failed:
                 first, last = s.start_position // size, (s.start_position + s.num_tokens - 1) // size
                 unwritten.update({block: s.request_id for block in s.block_table[first:last + 1]})
         for s in output.scheduled:

@@ -165,10 +165,6 @@ class GroupStream:
     def request_id(self) -> str:
         return self._channels[0].request_id
 
-    @property
-    def request_ids(self) -> tuple[str, ...]:
-        return tuple(channel.request_id for channel in self._channels)
-
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return _deltas_until_closed(self)
 
