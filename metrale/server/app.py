@@ -150,23 +150,16 @@ class ServerApp:
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         self._authenticate(scope)
-        if path in _POST_ROUTES:
+        if path in _POST_ROUTES or path == RESPONSES_PATH:
             if method != "POST":
                 raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
+                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases}
+            if path == RESPONSES_PATH:
+                return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
-                                            send, receive, default_max_tokens=self.default_max_tokens,
-                                            request_id=client_request_id(scope),
-                                            tool_call_format=self.tool_call_parser,
-                                            model_aliases=self.model_aliases)
-        if path == RESPONSES_PATH:
-            if method != "POST":
-                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
-            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
-            return await responses.handle(self.engine, self.model_name, body, send, receive,
-                                          default_max_tokens=self.default_max_tokens,
-                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                          model_aliases=self.model_aliases)
+                                            send, receive, **options)
         if path == "/v1/models":
             return await self._only(method, "GET", send_json(send, 200, {"object": "list",
                                                                          "data": [self._model_card()]}))
