@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
@@ -21,23 +20,25 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
+from metrale.engine.core_host import LocalCore
+from metrale.engine.engine_client import EngineProcess
+from metrale.engine.ipc import ModelFacts, TokenizerSpec
 from metrale.engine.metrics import EngineMetrics
-from metrale.engine.mlx_thread import MLXThread
-from metrale.engine.runner import ModelRunner, weights_dtype
+from metrale.engine.runner import ModelRunner
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
-from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
-                            PromptTooLongError, RequestRejectedError, StructuredOutputUnavailableError)
+from metrale.engine.streams import RequestStreams
+from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError, EngineNotRunningError,
+                            EngineRestartingError, EngineUnavailableError, PromptTooLongError, RequestRejectedError,
+                            StructuredOutputUnavailableError)
 from metrale.failpoints import Failpoints
-from metrale.loading import LoadedModel, load_model
 from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
-from metrale.sampling.guided import GrammarCompiler, require_llguidance
+from metrale.sampling.guided import require_llguidance
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.proposers import HostProposer
 from metrale.speculative.speculator import Speculator
@@ -45,13 +46,8 @@ from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
 from metrale.text.tool_parsers import detect_format
-from scheduler import Scheduler
-
-if TYPE_CHECKING:  # imported by _start_ranks: a one-rank engine never loads metrale.distributed
-    from metrale.distributed.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_model_len is None
 WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
 WATCHDOG_FACTOR = 50.0
 OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
@@ -75,21 +71,23 @@ class AsyncEngine:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, model_name=_model_label(self.config.model))
         self._state = EngineState.STOPPED  # stopped -> loading -> serving -> draining -> stopped
-        self._mlx: MLXThread | None = None
-        self._runner: ModelRunner | None = None
-        self._group: TensorParallelGroup | None = None  # rank 0's handle on the other ranks (tensor parallelism)
-        self._core: EngineCore | None = None
+        self._client: LocalCore | EngineProcess | None = None  # the engine core, here or in its process
+        self._core: EngineCore | None = None  # in-process only (tests reach for it)
+        self._runner: ModelRunner | None = None  # in-process only
+        self._streams: RequestStreams | None = None  # the text front-end of every open request
+        self._facts: ModelFacts | None = None  # set at start
         self._inputs: InputProcessor | None = None
         self._outputs: OutputProcessor | None = None
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
-        self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failpoints = Failpoints.from_env(self.config.failpoints, seed=self.config.seed)
         spec = self.config.speculative_config
         if proposer is not None and spec is None:
             raise ValueError("a proposer needs EngineConfig(speculative_config=...): how many drafts, and when")
+        if proposer is not None and self.config.engine_process:
+            raise ValueError("a proposer object cannot cross to an engine process: use engine_process=False")
         self._speculator = Speculator(spec, proposer) if spec is not None else None
         if spec is not None:
             self.metrics.enable_speculation(spec.num_speculative_tokens)
@@ -98,122 +96,81 @@ class AsyncEngine:
     # ---- lifecycle ----
 
     async def start(self) -> "AsyncEngine":
-        """Load the model on the MLX thread and start the engine loop."""
+        """Load the model (on the MLX thread, or in the engine process) and start the engine loop."""
         if self._state is not EngineState.STOPPED:
             raise RuntimeError(f"engine already {self._state}")
         self._state = EngineState.LOADING
         self._loop = asyncio.get_running_loop()
-        self._mlx = MLXThread()
         try:
-            if self.config.tensor_parallel_size > 1:
-                loaded = await self._start_ranks()
+            if self.config.engine_process:
+                client = EngineProcess(self.config, self.metrics, self.config.max_engine_restarts)
+                ready = await client.start()
+                tokenizer, facts, self._max_model_len = _tokenizer(ready.tokenizer), ready.facts, ready.max_model_len
+                client.on_death = self._on_engine_death
             else:
-                loaded = await self._mlx.run(load_model, self.config.model, dtype=weights_dtype(self.config.dtype))
-                self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints)
+                client = LocalCore(self.config, self.metrics, self._failpoints, self._speculator)
+                loaded = await client.start()
+                tokenizer, facts, self._max_model_len = loaded.tokenizer, client.facts(loaded), client.max_model_len
+                self._core, self._runner = client.core, client.runner
         except BaseException:
-            if self._group is not None:
-                self._group.close(timeout_s=0)
-            self._mlx.shutdown()
             self._state = EngineState.STOPPED
             raise
-        self._init_text(loaded)
-        self._info = EngineInfo(model_path=str(loaded.path), model_type=loaded.config.architecture,
-                                dtype=self._runner.dtype_name, kv_block_size=self.config.block_size)
-        self._max_model_len = self.config.max_model_len or min(
-            loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        self._init_text(loaded)
+        self._client, self._facts = client, facts
+        self._init_text(tokenizer, facts)
+        self._info = EngineInfo(model_path=facts.model_path, model_type=facts.architecture, dtype=facts.dtype_name,
+                                kv_block_size=self.config.block_size)
+        self._streams = RequestStreams(client.finish, self._failpoints)
+        client.set_on_outputs(self._streams.process)
         self.metrics.set_max_model_len(self._max_model_len)
-        self._core = EngineCore(self._build_scheduler(), self._runner, self._mlx, self.metrics, self._failpoints,
-                                self._speculator)
         if self._failpoints:
             logger.warning("failpoints armed: %s", self._failpoints.points)
-        self.metrics.set_info(model=self.model_name, dtype=self._runner.dtype_name,
-                              kv_blocks=str(self._runner.kv_cache.num_blocks),
+        self.metrics.set_info(model=self.model_name, dtype=facts.dtype_name, kv_blocks=str(facts.kv_blocks),
                               block_size=str(self.config.block_size),
                               tensor_parallel_size=str(self.config.tensor_parallel_size))
-        self._loop_task = asyncio.create_task(self._core.run_forever(), name="metrale-engine-loop")
-        self._loop_task.add_done_callback(self._on_loop_done)
         self._state = EngineState.SERVING
-        logger.info("engine serving %s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
-                    self._runner.kv_cache.num_blocks, self.config.block_size, self._max_model_len)
+        logger.info("engine serving %s%s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
+                    " (engine process)" if self.config.engine_process else "", facts.kv_blocks,
+                    self.config.block_size, self._max_model_len)
         return self
 
-    async def _start_ranks(self) -> LoadedModel:
-        """Tensor parallelism: start ranks 1..N-1, join the ring, load this rank's share of the model
-        and its runner, and wait for every rank at the startup barrier."""
-        from metrale.distributed.group import TensorParallelGroup
+    def _on_engine_death(self, error: BaseException) -> None:
+        """The engine process died: every open stream ends with the error now (it restarts, or not)."""
+        self._streams.fail_all(error)
 
-        loop = asyncio.get_running_loop()
-        dtype = weights_dtype(self.config.dtype)
-        self._group = TensorParallelGroup(
-            self.config.tensor_parallel_size,
-            on_failure=lambda error: loop.call_soon_threadsafe(self._on_rank_failure, error))
-        self._group.spawn(self.config.model, dtype)  # from the event-loop thread, which outlives the ranks
-        await self._group.wait_joining()
-        await self._mlx.run(self._group.join)
-        loaded = await self._mlx.run(load_model, self.config.model, dtype=dtype, shard=self._group.shard)
-        self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints,
-                                           self._group)
-        await self._mlx.run(self._group.start_steps, self._runner.kv_cache.num_blocks, self.config.block_size)
-        logger.info("tensor parallel: %d ranks, each with its share of the heads and MLP and its own KV pools",
-                    self.config.tensor_parallel_size)
-        return loaded
+    def _init_text(self, tokenizer: Tokenizer, facts: ModelFacts) -> None:
+        template = ChatTemplate.for_tokenizer(tokenizer, facts.architecture)
+        self._inputs = InputProcessor(tokenizer, template, facts.vocab_size, max_model_len=self._max_model_len,
+                                      failpoints=self._failpoints)
+        self._outputs = OutputProcessor(tokenizer, self._failpoints)
 
-    def _on_rank_failure(self, error: BaseException) -> None:
-        """A rank died or hung (event-loop thread): the engine is dead, every open request ends with an
-        error now, and the loop stops (its step in flight may never return from a dead collective)."""
-        if self._core is not None and self._core.dead is None:
-            self._core.die(error)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-
-    def _init_text(self, loaded: LoadedModel) -> None:
-        template = ChatTemplate.for_tokenizer(loaded.tokenizer, loaded.config.architecture)
-        self._inputs = InputProcessor(loaded.tokenizer, template, loaded.config.vocab_size,
-                                      max_model_len=self._max_model_len, failpoints=self._failpoints)
-        self._outputs = OutputProcessor(loaded.tokenizer, self._failpoints)
-
-    def _build_scheduler(self) -> Scheduler:
-        scheduler_config = dataclasses.replace(self.config.scheduler, max_model_len=self._max_model_len)
-        kv = KVCacheManager(num_blocks=self._runner.kv_cache.num_blocks, block_size=scheduler_config.block_size,
-                            enable_prefix_caching=scheduler_config.enable_prefix_caching)
-        return Scheduler(scheduler_config, kv)
-
-    def _on_loop_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("engine loop ended: %r", task.exception())
+    @property
+    def num_unfinished(self) -> int:
+        """Requests whose streams have not ended yet."""
+        return len(self._streams) if self._streams is not None else 0
 
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
-        if self._core is None:
+        if self._client is None:
             return
         self._state = EngineState.DRAINING
         deadline = time.monotonic() + timeout_s
-        while self._core.num_unfinished and time.monotonic() < deadline and self._core.dead is None:
+        while self.num_unfinished and time.monotonic() < deadline and self._client.dead is None:
             await asyncio.sleep(0.02)
-        if self._core.num_unfinished:
-            logger.warning("drain timeout: aborting %d requests", self._core.num_unfinished)
-            self._core.abort_all()
+        if self.num_unfinished:
+            logger.warning("drain timeout: aborting %d requests", self.num_unfinished)
+            self._client.abort_all()
 
     async def shutdown(self) -> None:
-        """Abort what is left, stop the loop and the MLX thread. Leaves nothing running."""
+        """Abort what is left, stop the engine (its loop and MLX thread, or its process). Leaves nothing running."""
         if self._state is EngineState.STOPPED:
             return
-        if self._core is not None:
-            self._core.abort_all()  # after the engine died this finds nothing left: die() ended everyone
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        if self._group is not None:  # the followers finish the step they are in and exit
-            await asyncio.to_thread(self._group.close)
-        if self._mlx is not None:
-            # after a rank failed, the step in flight may wait forever in a collective of the dead ring
-            group_failed = self._group is not None and self._group.failure is not None
-            await asyncio.to_thread(self._mlx.shutdown, not group_failed)
+        if self._client is not None:
+            self._client.abort_all()  # after the engine died this finds nothing left: every stream has ended
+            await self._client.shutdown()
+        if self._streams is not None:  # an engine process that died at shutdown: what it did not end
+            self._streams.fail_all(EngineNotRunningError("engine shut down"))
         if self._tokenize_thread is not None:
             self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
-        if self._runner is not None:
-            self._runner.close()
         self._state = EngineState.STOPPED
 
     async def __aenter__(self) -> "AsyncEngine":
@@ -277,21 +234,20 @@ class AsyncEngine:
             return
         with self._counting_rejections():
             self._accepting()
-            compiler = self._grammar_compiler()
-            await compiler.compile(params.structured_outputs)
+            self._check_grammars()
+            await self._client.compile(params.structured_outputs)
 
     def _request_params(self, inputs: InputProcessor, params: SamplingParams | None) -> SamplingParams:
         params = inputs.params(_checked_params(params))
         if params.structured_outputs is not None:
-            self._grammar_compiler().submit(params.structured_outputs)  # starts compiling now (cached)
+            self._check_grammars()
+            self._client.precompile(params.structured_outputs)  # starts compiling now (cached)
         return params
 
-    def _grammar_compiler(self) -> GrammarCompiler:
-        compiler = self._runner.grammar_compiler if self._runner is not None else None
-        if compiler is None:
-            require_llguidance()
+    def _check_grammars(self) -> None:
+        require_llguidance()
+        if not self._facts.has_grammar_compiler:
             raise StructuredOutputUnavailableError("structured outputs need a tokenizer with an eos token")
-        return compiler
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0) -> CompletionResult:
@@ -307,21 +263,26 @@ class AsyncEngine:
         unknown or already finished. From another thread the abort is handed to the loop and True
         means only that it was handed over. `channel` (a stream's own) makes the abort apply only to
         the request that stream belongs to, never to a newer one reusing the id."""
-        if self._core is None or self._loop is None or self._loop.is_closed():
+        if self._client is None or self._loop is None or self._loop.is_closed():
             return False
         try:
             running_loop = asyncio.get_running_loop()
         except RuntimeError:
             running_loop = None
         if running_loop is not self._loop:  # e.g. a stream collected on another thread
-            self._loop.call_soon_threadsafe(functools.partial(self._core.abort, request_id, channel))
+            self._loop.call_soon_threadsafe(functools.partial(self._abort, request_id, channel))
             return True
-        return self._core.abort(request_id, channel)
+        return self._abort(request_id, channel)
+
+    def _abort(self, request_id: str, channel: OutputChannel | None) -> bool:
+        if channel is not None and self._streams.channel(request_id) is not channel:
+            return False  # that stream's request ended; the id may be a newer request's now
+        return self._client.abort(request_id)
 
     def abort_all(self) -> None:
         """Abort every unfinished request now (a forced shutdown); each stream ends with "abort"."""
-        if self._core is not None:
-            self._core.abort_all()
+        if self._client is not None:
+            self._client.abort_all()
 
     @contextlib.contextmanager
     def _counting_rejections(self) -> Iterator[None]:
@@ -339,10 +300,12 @@ class AsyncEngine:
     def _accepting(self) -> InputProcessor:
         if self._state is EngineState.DRAINING:
             raise EngineDrainingError("engine is draining for shutdown; not accepting requests")
-        if self._state is not EngineState.SERVING or self._inputs is None or self._core is None:
+        if self._state is not EngineState.SERVING or self._inputs is None or self._client is None:
             raise EngineNotRunningError(f"engine is {self._state}; call start() first")
-        if self._core.dead is not None:
-            raise EngineDeadError(f"engine loop stopped: {self._core.dead!r}")
+        if self._client.dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._client.dead!r}")
+        if self._client.restarting:
+            raise EngineRestartingError("the engine process is restarting; retry shortly")
         return self._inputs
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
@@ -353,22 +316,26 @@ class AsyncEngine:
         max_tokens = self._max_tokens(params, len(prompt_ids))
         eos = self._inputs.tokenizer.eos_token_ids
         if params.n == 1:
-            text = self._outputs.new_request(prompt_ids, params, request_id)
-            channel = self._core.submit(request_id, prompt_ids, params, text, priority=priority,
-                                        eos_token_ids=eos, max_tokens=max_tokens)
-            return RequestStream(channel, functools.partial(self.abort, channel=channel))
-        ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
-        sequences = [params.for_sequence(i) for i in range(params.n)]
+            ids, sequences = [request_id], [params]
+        else:
+            ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
+            sequences = [params.for_sequence(i) for i in range(params.n)]
         texts = [self._outputs.new_request(prompt_ids, p, rid) for rid, p in zip(ids, sequences)]
-        channels = self._core.submit_group(ids, prompt_ids, sequences, texts, priority=priority,
-                                           eos_token_ids=eos, max_tokens=max_tokens)
+        for rid in ids:
+            if rid in self._streams:
+                raise DuplicateRequestError(f"request {rid!r} is already in flight")
+        self._client.submit_group(ids, prompt_ids, sequences, priority=priority, eos_token_ids=eos,
+                                  max_tokens=max_tokens, num_open=len(self._streams))
+        channels = self._streams.open(ids, texts, len(prompt_ids))
+        if params.n == 1:
+            return RequestStream(channels[0], functools.partial(self.abort, channel=channels[0]))
         return GroupStream(channels, lambda channel: self.abort(channel.request_id, channel=channel))
 
     def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """params.max_tokens, or when it is None the room left in the context and in the KV pool."""
         if params.max_tokens is not None:
             return params.max_tokens
-        pool_tokens = self._runner.kv_cache.num_slots
+        pool_tokens = self._facts.kv_slots
         room = min(self._max_model_len - num_prompt_tokens, pool_tokens + 1 - num_prompt_tokens)
         if room < 1:
             raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output in "
@@ -379,7 +346,7 @@ class AsyncEngine:
 
     @property
     def model_name(self) -> str:
-        return self._runner.model_name if self._runner is not None else _model_label(self.config.model)
+        return self._facts.model_name if self._facts is not None else _model_label(self.config.model)
 
     @property
     def max_model_len(self) -> int:
@@ -427,22 +394,26 @@ class AsyncEngine:
         a step has run far past its expected time (the watchdog; it recovers if the step ends)."""
         if self._state is EngineState.STOPPED:
             return EngineState.STOPPED
-        if self._core is not None and (self._core.dead is not None or self._step_stuck()):
+        if self._client is not None and (self._client.dead is not None or self._step_stuck()):
             return EngineState.UNHEALTHY
+        if self._client is not None and self._client.restarting:
+            return EngineState.RESTARTING
         return self._state
 
     def _step_stuck(self) -> bool:
+        """The step watchdog (in-process engine only)."""
+        if self._core is None:
+            return False
         started = self._core.step_started
         if started is None:
             return False
         return time.monotonic() - started > max(WATCHDOG_MIN_S, WATCHDOG_FACTOR * self._core.mean_step_s)
 
     async def wait_until_dead(self) -> BaseException | None:
-        """Wait for the engine loop to end: the error that killed it, or None when it was shut down."""
-        while self._loop_task is None:
+        """Wait for the engine to end: the error that killed it for good, or None when it was shut down."""
+        while self._client is None:
             await asyncio.sleep(0.1)
-        await asyncio.gather(self._loop_task, return_exceptions=True)
-        return self._core.dead if self._core is not None else None
+        return await self._client.wait_until_dead()
 
     def info(self) -> EngineInfo:
         if self._info is None:
@@ -450,22 +421,21 @@ class AsyncEngine:
         return self._info
 
     def stats(self) -> EngineStats:
-        core = self._core
-        if core is None:
+        if self._client is None:
             raise EngineNotRunningError("engine not started")
-        kv = core.scheduler.kv_cache_manager
+        core = self._client.core_stats()
         return EngineStats(
-            health=self.health(), running=core.scheduler.num_running, waiting=core.scheduler.num_waiting,
-            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_usage=kv.usage,
-            peak_kv_usage=core.peak_kv_usage, num_preemptions=core.scheduler.num_preemptions,
-            num_steps=core.num_steps, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits, requests_finished=core.num_finished)
+            health=self.health(), running=core.running, waiting=core.waiting, kv_blocks_total=core.kv_blocks_total,
+            kv_blocks_free=core.kv_blocks_free, kv_usage=core.kv_usage, peak_kv_usage=core.peak_kv_usage,
+            num_preemptions=core.num_preemptions, num_steps=core.num_steps,
+            prefix_cache_queries=core.prefix_cache_queries, prefix_cache_hits=core.prefix_cache_hits,
+            requests_finished=core.requests_finished)
 
     def check_integrity(self) -> None:
         """Raise if the KV accounting is inconsistent (tests call this after every scenario)."""
-        if self._core is None:
+        if self._client is None:
             raise EngineNotRunningError("engine not started")
-        self._core.scheduler.check_integrity()
+        self._client.check_integrity()
 
 
 async def collect_result(stream: RequestStream) -> CompletionResult:
@@ -482,3 +452,11 @@ def _checked_params(params: SamplingParams | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
     return params
+
+
+def _tokenizer(spec: TokenizerSpec) -> Tokenizer:
+    """The engine process's tokenizer, rebuilt here from what it sent."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return Tokenizer(HFTokenizer.from_str(spec.backend_json), bos_token_id=spec.bos_token_id,
+                     eos_token_ids=spec.eos_token_ids, chat_template=spec.chat_template, pad_token_id=spec.pad_token_id)

@@ -123,7 +123,7 @@ async def rank_dies_scenario(model: str, how: str) -> dict:
                           max_model_len=512)
     engine = AsyncEngine(config)
     await engine.start()
-    follower = engine._group._followers[0]
+    follower = engine._client.group._followers[0]
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     streams = [engine.generate([5 + i, 6, 7], params) for i in range(3)]
     outcomes = []

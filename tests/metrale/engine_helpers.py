@@ -18,7 +18,7 @@ async def wait_idle(engine, timeout_s: float = 30.0) -> None:
     """Wait until the engine has finished every request (aborts land at a step boundary)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while engine.stats().running or engine.stats().waiting or engine._core.num_unfinished:
+    while engine.stats().running or engine.stats().waiting or engine.num_unfinished:
         if loop.time() > deadline:
             pytest.fail(f"engine not idle after {timeout_s} s: {engine.stats()}")
         await asyncio.sleep(0.01)

@@ -51,7 +51,7 @@ async def test_ending_every_stream_survives_a_final_delta_that_raises(tiny_model
             def flush(self):
                 raise UnicodeError("flush broke")
 
-        engine._core.states[streams[0].request_id]._text = BrokenText()
+        engine._streams._open[streams[0].request_id].text = BrokenText()
         engine._core.die(RuntimeError("simulated engine fault"))
         for stream in streams:
             with pytest.raises(RequestFailedError, match="simulated engine fault"):

@@ -364,7 +364,7 @@ def _outcome(llm: LLM) -> object:
 
 def test_a_dropped_llm_ends_its_threads_without_waiting(tiny_config):
     llm = LLM(tiny_config)
-    threads = [llm._thread, *llm._engine._mlx._executor._threads]
+    threads = [llm._thread, *llm._engine._client.mlx._executor._threads]
     del llm
     gc.collect()
     for thread in threads:
