@@ -145,3 +145,11 @@ async def test_a_spent_restart_budget_is_final(tiny_model):
         assert engine.health() == "unhealthy"
         with pytest.raises(EngineDeadError):
             engine.generate(PROMPTS[0], GREEDY)
+
+
+def test_the_blocking_llm_runs_an_engine_process_too(tiny_model, in_process_outputs):
+    from metrale import LLM
+
+    with LLM(config(tiny_model, True)) as llm:
+        results = llm.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in results[::2]] == [ids for ids, _, _ in in_process_outputs[0][::2]]
