@@ -26,7 +26,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import completions, responses, worker_api
+from metrale.server import anthropic, completions, responses, worker_api
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
                                  send_error, send_json)
 from metrale.server.cors import CorsPolicy
@@ -150,6 +150,13 @@ class ServerApp:
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         self._authenticate(scope)
+        if path in anthropic.PATHS:
+            if method != "POST":
+                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
+            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
+                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                          model_aliases=self.model_aliases)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             if method != "POST":
                 raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
@@ -183,6 +190,8 @@ class ServerApp:
         for key, value in scope["headers"]:
             if key == b"authorization" and value.startswith(b"Bearer ") and \
                     hmac.compare_digest(value[len(b"Bearer "):], self._api_key):
+                return
+            if key == b"x-api-key" and hmac.compare_digest(value, self._api_key):  # Anthropic's clients
                 return
         raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                        code="invalid_api_key")

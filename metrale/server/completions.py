@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -103,6 +105,25 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     `tool_call_format` overrides the format the engine reads from the model's chat template;
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+    call, stream = await open_stream(engine, served_model, request, default_max_tokens=default_max_tokens,
+                                     request_id=request_id, tool_call_format=tool_call_format,
+                                     model_aliases=model_aliases)
+    respond = _stream_response if request.stream else _full_response
+    try:
+        await run_until_disconnect(respond(engine, call, stream, send), receive)
+    finally:
+        await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+async def open_stream(engine: EngineClient, served_model: str,
+                      request: protocol.CompletionRequest | protocol.ChatCompletionRequest, *,
+                      default_max_tokens: int | None, request_id: str | None = None,
+                      tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> tuple[_Call, Any]:
+    """Validate a decoded request, render and tokenize its prompt (off the event loop when long) and submit
+    it: the fields its response objects share, and the engine stream (the caller closes it). Raises
+    APIError for anything refused. The Anthropic and Ollama routes come here too, with their bodies
+    translated into a ChatCompletionRequest."""
+    chat = isinstance(request, protocol.ChatCompletionRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
     params = protocol.sampling_params(request, default_max_tokens)
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
@@ -111,11 +132,9 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output
                    else structured.source_of(request))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
-    try:
-        if chat:  # long prompts are tokenized off the event loop
-            prompt_ids = await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
-                                                     tools=plan.template_tools if plan is not None else None,
-                                                     **protocol.template_kwargs(request))
+    with engine_errors():
+        if chat:
+            prompt_ids = await _chat_prompt_ids(engine, request, plan)
         else:
             prompt = protocol.completion_prompt(request)
             prompt_ids = await engine.prompt_token_ids(prompt)
@@ -128,6 +147,21 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
                      plan if plan is not None and plan.parses_calls else None, params.n, echo,
                      tuple(prompt_ids), request.prompt_logprobs)
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
+    return call, stream
+
+
+async def prompt_token_ids(engine: EngineClient, request: protocol.ChatCompletionRequest) -> list[int]:
+    """The token ids a chat request's prompt renders to (its tools included), as open_stream would submit."""
+    plan = tools.plan(request, engine.tool_call_format)
+    with engine_errors():
+        return await _chat_prompt_ids(engine, request, plan)
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """The engine's submit-time errors (typed rejections, bad params) as APIErrors; others propagate."""
+    try:
+        yield
     except APIError:
         raise
     except Exception as error:
@@ -135,11 +169,14 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         if api_error is None:
             raise
         raise api_error from error
-    respond = _stream_response if request.stream else _full_response
-    try:
-        await run_until_disconnect(respond(engine, call, stream, send), receive)
-    finally:
-        await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+async def _chat_prompt_ids(engine: EngineClient, request: protocol.ChatCompletionRequest,
+                           plan: tools.ToolPlan | None) -> list[int]:
+    """Long prompts are tokenized off the event loop."""
+    return await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
+                                       tools=plan.template_tools if plan is not None else None,
+                                       **protocol.template_kwargs(request))
 
 
 async def prepare_params(engine: EngineClient, params: Any, source: str) -> None:
