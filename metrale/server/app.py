@@ -8,6 +8,8 @@
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
+    POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
+    GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
 
 Hand-written rather than a framework: a dozen routes, msgspec bodies, and direct control of the
 ASGI `receive` channel, which the disconnect watcher needs. With `manage_engine` the app starts the
@@ -26,7 +28,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, responses, worker_api
+from metrale.server import anthropic, completions, ollama, responses, worker_api
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
                                  send_error, send_json)
 from metrale.server.cors import CorsPolicy
@@ -147,6 +149,12 @@ class ServerApp:
             return await self._only(method, "GET", self._metrics(send))
         if path in worker_api.INFO_PATHS:
             return await self._only(method, "GET", self._worker_info(path, send))
+        if ollama.serves(path):
+            self._authenticate(scope)
+            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s) if method == "POST" else b""
+            return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
+                                       request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                       model_aliases=self.model_aliases)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         self._authenticate(scope)

@@ -195,3 +195,25 @@ def test_tool_choice_any_needs_tools():
                                "messages": [{"role": "user", "content": "x"}]}, ap.MessagesRequest)
     with pytest.raises(APIError, match="needs tools"):
         ap.to_chat_request(request)
+
+
+CALL_WORDS = ("Sure.", "<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "\n</tool_call>")
+TOOLS = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+
+
+async def test_a_parsed_tool_call_is_a_tool_use_block_streamed_and_not():
+    engine = WordEngine(words=CALL_WORDS)
+    engine.tool_call_format = "hermes"
+    kwargs = dict(model="fake-model", max_tokens=len(CALL_WORDS), tools=TOOLS,
+                  messages=[{"role": "user", "content": "weather?"}])
+    async with client_for(ServerApp(engine, manage_engine=False)) as client:
+        full = await client.messages.create(**kwargs)
+        async with client.messages.stream(**kwargs) as stream:
+            kinds = [event.type async for event in stream]
+            streamed = await stream.get_final_message()
+    for message in (full, streamed):
+        assert [b.type for b in message.content] == ["text", "tool_use"]
+        assert message.content[0].text.strip() == "Sure."
+        assert (message.content[1].name, message.content[1].input) == ("get_weather", {"city": "Oslo"})
+        assert message.stop_reason == "tool_use"
+    assert kinds.count("content_block_start") == 2 and kinds.count("content_block_stop") == 2
