@@ -117,12 +117,14 @@ class ServerApp:
             status, headers = self.cors.preflight(scope)
             return await send_bytes(send, status, b"", headers)
 
+        extra_headers = [*cors_headers, *_request_id_header(scope)]
+
         async def tracked_send(message: dict) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                if cors_headers:
-                    message = {**message, "headers": [*message.get("headers", []), *cors_headers]}
+                if extra_headers:
+                    message = {**message, "headers": [*message.get("headers", []), *extra_headers]}
             await send(message)
 
         try:
@@ -282,3 +284,13 @@ class ServerApp:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.engine.shutdown()
+
+
+def _request_id_header(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The client's X-Request-Id, echoed on the response (the openai SDK reads it); none when absent or malformed
+    (a malformed one is refused with a 400 by the route that reads it)."""
+    try:
+        request_id = client_request_id(scope)
+    except APIError:
+        return []
+    return [(b"x-request-id", request_id.encode())] if request_id is not None else []

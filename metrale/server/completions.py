@@ -53,6 +53,7 @@ class _Call:
     echo: str | None = None  # completions with echo: the prompt text each choice starts with
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top alternatives), None: not requested
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -70,6 +71,7 @@ class _Choice:
         self.logprobs: list[TokenLogprob] = []
         self.last: RequestOutput | None = None
         self.echoed = False  # streaming: the prompt went out with the first delta
+        self.role_sent = False  # streaming chat: the role goes out with the first token, as vLLM sends it
 
     def add(self, out: RequestOutput) -> None:
         self.texts.append(out.text)
@@ -131,7 +133,8 @@ async def open_stream(engine: EngineClient, served_model: str,
         params = plan.params(params)
     await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output
                    else structured.source_of(request))
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    options = request.stream_options
+    include_usage = options is not None and (options.include_usage or options.continuous_usage_stats)
     with engine_errors():
         if chat:
             prompt_ids = await _chat_prompt_ids(engine, request, plan)
@@ -145,7 +148,8 @@ async def open_stream(engine: EngineClient, served_model: str,
                      int(time.time()), model,
                      include_usage, params.logprobs,
                      plan if plan is not None and plan.parses_calls else None, params.n, echo,
-                     tuple(prompt_ids), request.prompt_logprobs)
+                     tuple(prompt_ids), request.prompt_logprobs,
+                     continuous_usage=options is not None and options.continuous_usage_stats)
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     return call, stream
 
@@ -213,9 +217,6 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
     sse = SSEResponse(send)
     await sse.start()
     choices = [_Choice(i, call) for i in range(call.n)]
-    if call.chat:
-        for choice in choices:
-            await sse.event(_chunk(call, choice.index, {"role": "assistant", "content": ""}, None))
     failed = False
     prompt_logprobs = None  # sequence 0's first delta brings them (before any other sequence's)
     try:
@@ -227,7 +228,8 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
             if out.finish_reason in ("abort", "error"):
                 continue  # abort: reported below; error: the stream raises next
             if out.text or out.finish_reason is not None or out.logprobs or (call.echo is not None and not choice.echoed):
-                await _send_delta(engine, sse, call, choice, out, prompt_logprobs)
+                usage = _usage_so_far(choices) if call.continuous_usage else None
+                await _send_delta(engine, sse, call, choice, out, prompt_logprobs, usage)
     except RequestFailedError as error:
         failed = True
         await sse.event(APIError(500, str(error), code="request_failed").body())
@@ -240,7 +242,12 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
 
 
 async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, choice: _Choice,
-                      out: RequestOutput, prompt_logprobs: list | None) -> None:
+                      out: RequestOutput, prompt_logprobs: list | None, usage: dict[str, Any] | None) -> None:
+    """The chunks of one delta; `usage` (the usage so far) goes on each when the client asked for it."""
+
+    def chunk(content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return _chunk(call, choice.index, content, finish_reason, logprobs, usage)
+
     logprobs = None
     if not call.chat:
         text = out.text
@@ -251,21 +258,24 @@ async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, choic
                 logprobs = _logprobs(engine, call, out.logprobs or [], prompt_logprobs)
         elif call.logprobs is not None and out.logprobs:
             logprobs = _logprobs(engine, call, out.logprobs, None)
-        await sse.event(_chunk(call, choice.index, text, out.finish_reason, logprobs))
+        await sse.event(chunk(text, out.finish_reason, logprobs))
         return
+    if not choice.role_sent:
+        choice.role_sent = True
+        await sse.event(chunk({"role": "assistant", "content": ""}, None))
     if call.logprobs is not None and out.logprobs:
         logprobs = lp.render(engine, out.logprobs, True, call.logprobs)
     if choice.tools is not None:  # content and tool-call deltas, as the parser makes them certain
         fields = choice.tools.delta(out.text, final=out.finish_reason is not None)
         if fields or logprobs:
-            await sse.event(_chunk(call, choice.index, fields, None, logprobs))
+            await sse.event(chunk(fields, None, logprobs))
         if out.finish_reason is not None:
-            await sse.event(_chunk(call, choice.index, {}, choice.tools.finish_reason(out.finish_reason)))
+            await sse.event(chunk({}, choice.tools.finish_reason(out.finish_reason)))
         return
     if out.text or logprobs:
-        await sse.event(_chunk(call, choice.index, {"content": out.text}, None, logprobs))
+        await sse.event(chunk({"content": out.text}, None, logprobs))
     if out.finish_reason is not None:
-        await sse.event(_chunk(call, choice.index, {}, out.finish_reason))
+        await sse.event(chunk({}, out.finish_reason))
 
 
 def _logprobs(engine: EngineClient, call: _Call, logprobs: list[TokenLogprob],
@@ -277,13 +287,19 @@ def _logprobs(engine: EngineClient, call: _Call, logprobs: list[TokenLogprob],
                      leading_token_id=call.prompt_token_ids[0])
 
 
-def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, logprobs: Any = None,
+           usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     choice["delta" if call.chat else "text"] = content
     chunk = {**call.envelope(chunk=True), "choices": [choice]}
     if call.include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage  # null on every chunk but the last, unless continuous usage was asked for
     return chunk
+
+
+def _usage_so_far(choices: list[_Choice]) -> dict[str, Any]:
+    """The usage of the choices' deltas seen so far (vLLM's continuous_usage_stats)."""
+    return _usage([c.last for c in choices if c.last is not None])
 
 
 def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:

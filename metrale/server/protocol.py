@@ -24,7 +24,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk (guidellm sends it)
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
