@@ -51,6 +51,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     index: int = 0  # which of the request's n output sequences (parallel sampling)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta; None for the first token
+    stop_reason: str | int | None = None  # on the last delta: the stop string or stop token id that matched
 
     @property
     def finished(self) -> bool:
@@ -63,6 +64,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         self.finish_reason = later.finish_reason
         self.num_output_tokens = later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
+        self.stop_reason = later.stop_reason
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
         if later.logprobs is not None:
