@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any, BinaryIO
@@ -159,6 +160,10 @@ class EngineServer:
 
 
 def main() -> None:
+    # The front-end decides when the engine stops (the end of stdin): a Ctrl-C or SIGTERM sent to the whole
+    # process group must not kill the engine under a draining server.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints go to stderr: stdout carries the frames
     logging.basicConfig(level=os.environ.get("METRALE_LOG_LEVEL", "WARNING"),
