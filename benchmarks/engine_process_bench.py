@@ -5,6 +5,7 @@ kill -SEGV of the child (kill -> /health 200, and kill -> the first completion t
 
     .venv/bin/python benchmarks/engine_process_bench.py                      # default model
     .venv/bin/python benchmarks/engine_process_bench.py --output-len 64 --prompts-32 64 --kills 3
+    .venv/bin/python benchmarks/engine_process_bench.py --engine-process-first --kills 0   # the other order
 
 Prints one line per measurement and writes JSON (--out).
 """
@@ -72,11 +73,13 @@ def main() -> None:
     parser.add_argument("--prompts-1", type=int, default=4)
     parser.add_argument("--prompts-32", type=int, default=64)
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--engine-process-first", action="store_true", help="run the engine process first (order drift)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_process.json"))
     args = parser.parse_args()
     model = ("--model", args.model) if args.model else ()
     result = {"machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args), "runs": []}
-    for mode in ("--no-engine-process", "--engine-process"):
+    modes = ["--no-engine-process", "--engine-process"]
+    for mode in reversed(modes) if args.engine_process_first else modes:
         with ServerProcess(*model, mode, "--max-num-seqs", "32", startup_timeout_s=600) as server:
             run = {"mode": mode.removeprefix("--"), "startup_s": round(server.startup_s, 2), "bench": []}
             for concurrency, prompts in ((1, args.prompts_1), (32, args.prompts_32)):
@@ -85,7 +88,7 @@ def main() -> None:
             if mode == "--engine-process":
                 kills = [restart_times(server) for _ in range(args.kills)]
                 run["restarts"] = kills
-                run["restart_median_s"] = statistics.median(k["health_ok_s"] for k in kills)
+                run["restart_median_s"] = statistics.median(k["health_ok_s"] for k in kills) if kills else None
                 print(mode, "restarts", kills, flush=True)
             result["runs"].append(run)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

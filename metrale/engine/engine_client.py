@@ -191,19 +191,23 @@ class EngineProcess:
             return
 
     async def shutdown(self) -> None:
-        """End the child: EOF on its stdin (it aborts what is left and exits), then a kill after a timeout."""
+        """End the child: EOF on its stdin (it aborts what is left and exits), then a kill after a timeout.
+        A restart under way when this is called is waited for, and its child ended too."""
         self._closing = True
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                logger.warning("engine process %d did not stop in %.0f s; killing it", proc.pid, STOP_TIMEOUT_S)
-                proc.kill()
-                await proc.wait()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
+        while True:
+            proc, reader = self._proc, self._reader
+            if proc is not None and proc.returncode is None:
+                proc.stdin.close()
+                try:
+                    await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    logger.warning("engine process %d did not stop in %.0f s; killing it", proc.pid, STOP_TIMEOUT_S)
+                    proc.kill()
+                    await proc.wait()
+            if reader is not None:
+                await asyncio.gather(reader, return_exceptions=True)
+            if (self._proc, self._reader) == (proc, reader):
+                break
         self._ended.set()
 
     async def wait_until_dead(self) -> BaseException | None:
@@ -249,6 +253,7 @@ class EngineProcess:
         self._send(ipc.Add(list(request_ids), prompt_token_ids, list(params), eos_token_ids, max_tokens, priority))
 
     def abort(self, request_id: str) -> bool:
+        """Hand the abort to the child: True means only that it was sent (as from another thread in-process)."""
         if self.restarting or self.dead is not None:
             return False
         self._send(ipc.Abort(request_id))
