@@ -87,6 +87,20 @@ async def test_a_fault_in_a_step_fails_its_request_alone(tiny_model, engine_proc
         assert_clean(engine)
 
 
+@pytest.mark.parametrize("engine_process", MODES)
+async def test_a_stop_string_found_by_the_front_end_ends_the_request_in_the_engine(tiny_model, engine_process):
+    async with AsyncEngine(config(tiny_model, engine_process)) as engine:
+        ids, text, _ = await collect(engine.generate(PROMPTS[3], SamplingParams(max_tokens=40, temperature=0,
+                                                                                 ignore_eos=True)))
+        stop = text[len(text) // 2:len(text) // 2 + 2]  # met halfway through the greedy output
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+        stopped_ids, stopped_text, finish = await collect(engine.generate(PROMPTS[3], params))
+        assert finish == "stop" and stopped_text == text[:text.index(stop)]
+        assert stopped_ids == ids[:len(stopped_ids)] and len(stopped_ids) < len(ids)
+        await wait_idle(engine)  # the engine ended it (its blocks are free), not just the stream
+        assert_clean(engine)
+
+
 async def streams_under_way(engine: AsyncEngine, count: int) -> list:
     """`count` long streams, each past its first token."""
     streams = [engine.generate(PROMPTS[i % len(PROMPTS)], LONG) for i in range(count)]
