@@ -61,7 +61,7 @@ def test_add_bos_token_wraps_encodings_only_with_special_tokens():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"tokenizer.ggml.model": "bert"}, r"tokenizer model 'bert' is not supported; supported: 'gpt2' \(byte-level"),
+        ({"tokenizer.ggml.model": "rwkv"}, r"tokenizer model 'rwkv' is not supported; supported: 'gpt2' \(byte-level"),
         ({"tokenizer.ggml.pre": "chameleon"}, r"pre-tokenizer 'chameleon' is not supported; supported: .*smollm"),
         ({"tokenizer.ggml.eos_token_id": mx.array(500)}, r"eos token id 500 out of range for a vocabulary of 101"),
     ],
