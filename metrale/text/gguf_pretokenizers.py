@@ -84,10 +84,17 @@ class PreTokenizerRule:
         if not self.regexes:
             raise ValueError("a pre-tokenizer rule needs at least one regex")
 
-    def build(self) -> pre_tokenizers.PreTokenizer:
-        """The `tokenizers` pre-tokenizer: the regex splits, then GPT-2's byte-to-unicode mapping."""
+    def build(self, unspellable: str = "") -> pre_tokenizers.PreTokenizer:
+        """The `tokenizers` pre-tokenizer: the regex splits, then GPT-2's byte-to-unicode mapping.
+
+        unspellable: byte-level characters the vocab lacks. llama.cpp merges around such a character
+        and drops it at the end; `tokenizers` drops it first and merges its neighbours together. Each
+        becomes a pre-token of its own here, so the merges stop at it as llama.cpp's do."""
         steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in self.regexes]
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False))
+        if unspellable:
+            alone = "".join(f"\\x{{{ord(c):x}}}" for c in sorted(unspellable))
+            steps.append(pre_tokenizers.Split(Regex(f"[{alone}]"), behavior="isolated"))
         return pre_tokenizers.Sequence(steps)
 
 

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import decoders, models, processors
+from tokenizers import decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from metrale.text.gguf_pretokenizers import pre_tokenizer_rule
@@ -55,7 +55,7 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> HFTokeniz
     vocab = {token: index for index, token in enumerate(tokens)}
     bpe = models.BPE(vocab=vocab, merges=parse_merges(metadata), fuse_unk=False, ignore_merges=rule.ignore_merges)
     backend = HFTokenizer(bpe)
-    backend.pre_tokenizer = rule.build()
+    backend.pre_tokenizer = rule.build("".join(c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab))
     backend.decoder = decoders.ByteLevel()
     return backend
 

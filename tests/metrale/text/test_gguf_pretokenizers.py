@@ -62,3 +62,9 @@ def test_unknown_name_and_empty_rule_are_refused():
         pre_tokenizer_rule("chameleon")
     with pytest.raises(ValueError, match="at least one regex"):
         PreTokenizerRule(())
+
+
+def test_a_character_the_vocab_lacks_stands_alone():
+    """llama.cpp merges around a byte its vocab cannot spell (then drops it): it must split the word."""
+    tokenize = pre_tokenizer_rule("gpt-2").build(unspellable="ċ]").pre_tokenize_str
+    assert [piece for piece, _ in tokenize("\n\n\x0b a]b")] == ["ĊĊ", "ċ", "Ġa", "]", "b"]

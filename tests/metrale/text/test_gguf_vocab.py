@@ -64,6 +64,13 @@ def test_llama3_takes_a_whole_word_from_the_vocab_before_merging():
     assert tok.encode("Cửa Việt")[0] == tok.bos_token_id  # llama3 adds a bos by default
 
 
+def test_a_byte_the_vocab_cannot_spell_is_dropped_after_merging():
+    """Falcon's vocab has no \\v: llama.cpp (libllama 0c1e570) gives [26, 1001, 258, 204, 28], not 'ĊĊĠĠ'."""
+    metadata = mx.load(str(models_dir() / "ggml-vocab-falcon.gguf"), return_metadata=True)[1]
+    tok = Tokenizer.from_gguf_metadata(metadata)
+    assert tok.encode("/\n\n\x0b   1") == [26, 1001, 258, 204, 28]
+
+
 def test_bert_wraps_in_cls_and_sep():
     metadata = mx.load(str(models_dir() / "ggml-vocab-bert-bge.gguf"), return_metadata=True)[1]
     tok = Tokenizer.from_gguf_metadata(metadata)

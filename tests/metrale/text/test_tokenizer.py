@@ -125,6 +125,7 @@ def test_real_tokenizer_known_ids(gguf_metadata):
     tok = Tokenizer.from_gguf_metadata(gguf_metadata)
     assert tok.encode("Hello world") == [19556, 905]
     assert tok.encode("<|im_start|>user\nHi<|im_end|>") == [1, 4093, 198, 26843, 2]
+    assert tok.encode('" \x1d?|s0') == [18, 216, 44817, 99, 32]  # llama.cpp's: no merge across the unknown \x1d
     assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.eos_tokens) == (49152, 1, (2,), ("<|im_end|>",))
     assert "<|im_start|>" in tok.chat_template and len(tok.special_tokens) == 17
     for text in SAMPLES:
