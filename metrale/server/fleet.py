@@ -145,7 +145,7 @@ class Fleet:
         self.signals += 1
         if self.signals > 1:
             for child in self.children:
-                child.signal(signal.SIGKILL)
+                child.signal_group(signal.SIGKILL)
 
     def start_router(self, worker_urls: list[str]) -> None:
         self.router.argv = self.router_for(worker_urls)
@@ -209,7 +209,7 @@ class Fleet:
         for child in running:
             if not child.wait(deadline - time.monotonic()):
                 _say(f"{child.name} did not stop in {timeout_s:.0f} s: killing it")
-                child.kill()
+            child.kill()  # what is left of it, and whatever it started
         statuses = {c.name: c.exit_status for c in running}
         if any(status != 0 for status in statuses.values()):
             _say(f"exit statuses: {statuses}")

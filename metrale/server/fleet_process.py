@@ -6,7 +6,8 @@
     the fleet  when the thread that forked it ends, so the fleet starts every child from its main thread
                and a SIGKILLed fleet leaves no replica or router holding the port and its memory. A
                fleet that died before the child set it is seen (the parent pid changed): the child exits.
-    signals    go to the child's process group (its session), so whatever it started goes with it.
+    stop       SIGTERM to the process; then SIGKILL to its process group (its session), so that whatever
+               it started goes with it.
 """
 
 from __future__ import annotations
@@ -89,11 +90,20 @@ class Child:
         return f"exited with status {status}"
 
     def signal(self, sig: int) -> None:
-        """Send `sig` to the child's process group (its session), if it is running."""
+        """Send `sig` to the process, if it is running (what it started is its own business: a replica
+        drains its tensor-parallel ranks itself)."""
         if self.running:
             try:
-                os.killpg(self.proc.pid, sig)
+                os.kill(self.proc.pid, sig)
             except ProcessLookupError:  # exited between the check and the signal
+                pass
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the process and everything it started (its process group), even once it exited."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:  # nothing left in the group
                 pass
 
     def wait(self, timeout_s: float) -> bool:
@@ -109,12 +119,13 @@ class Child:
         return True
 
     def terminate(self, grace_s: float) -> None:
-        """SIGTERM (the router stops listening and lets its requests finish; a replica drains), SIGKILL
-        after grace_s. Blocks until the process has exited."""
+        """SIGTERM (the router stops listening and lets its requests finish; a replica drains), then
+        `kill` once it exited or after grace_s. Blocks until the process has exited."""
         self.signal(signal.SIGTERM)
-        if not self.wait(grace_s):
-            self.kill()
+        self.wait(grace_s)
+        self.kill()
 
     def kill(self) -> None:
-        self.signal(signal.SIGKILL)
+        """SIGKILL the process group (the process if it still runs, and whatever it left behind)."""
+        self.signal_group(signal.SIGKILL)
         self.wait(30.0)

@@ -153,14 +153,14 @@ class ReplicaSlot:
         if not child.running:
             child.wait(0)
             return
-        child.signal(signal.SIGCONT)  # a stopped process cannot handle the next one
+        child.signal_group(signal.SIGCONT)  # a stopped process cannot handle the next signals
         child.signal(signal.SIGTERM)
         deadline = time.monotonic() + 1.0
         while child.running and time.monotonic() < deadline and self.probe.ask() not in ("draining", "no answer"):
             time.sleep(0.05)
         child.signal(signal.SIGTERM)  # the second one: abort what is open
-        if not child.wait(self.config.kill_grace_s):
-            child.kill()
+        child.wait(self.config.kill_grace_s)
+        child.kill()  # what is left of it, and whatever it started
 
 
 class Supervisor:

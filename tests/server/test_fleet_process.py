@@ -42,7 +42,7 @@ def test_a_child_dies_when_the_fleet_is_sigkilled():
         parent.stdout.close()
 
 
-def test_signals_reach_everything_the_child_started():
+def test_terminate_ends_everything_the_child_started():
     child = Child("tree", [sys.executable, "-c", CHILD_WITH_GRANDCHILD], "http://127.0.0.1:1")
     child.start(dict(os.environ))
     try:
