@@ -198,6 +198,7 @@ class Supervisor:
                 self.say(f"{child.name}: restarted, pid {child.pid} (restart {child.starts - 1})")
             return
         if not child.running:
+            child.kill()  # whatever it left behind (tensor-parallel ranks, an engine process)
             self._restart(slot, f"{child.name} (pid {child.pid}) {child.describe_exit()}")
         elif slot.state == "starting":
             if slot.became_serving():
@@ -205,7 +206,6 @@ class Supervisor:
                 self._add(slot)
                 self.say(f"{child.name} {child.url} pid {child.pid} serving again, back in the router")
             elif now - slot.since > self.config.startup_timeout_s:
-                self.admin.remove(child.url)
                 slot.stop()
                 self._restart(slot, f"{child.name} (pid {child.pid}) not serving "
                                     f"{self.config.startup_timeout_s:.0f} s after its start")
