@@ -45,8 +45,10 @@ class FleetProcess:
     def __init__(self, *argv: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The processes' logs: to $METRALE_FLEET_STDERR when set (to debug a failure), else nowhere.
+        self._stderr = open(os.environ.get("METRALE_FLEET_STDERR", os.devnull), "a")
         self.proc = subprocess.Popen([sys.executable, "-m", "metrale.cli", "fleet", "--port", str(self.port), *argv],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
         self._changed = threading.Condition()
@@ -92,6 +94,7 @@ class FleetProcess:
             self.proc.wait()
         self._reader.join(10)
         self.proc.stdout.close()
+        self._stderr.close()
 
 
 def process_state(pid: int) -> str | None:
