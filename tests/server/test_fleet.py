@@ -9,7 +9,8 @@
   retried on the survivor), an HTTP 5xx with a JSON error body, or a stream cut at the transport level
   (the chunked body ends early, no `data: [DONE]`), which HTTP clients report as an error. Never a
   hang, never a stream that looks complete;
-- `metrale fleet` itself: ready line per process, SIGTERM stops everything with status 0 (its
+- `metrale fleet` itself: ready line per process, SIGTERM stops everything with status 0, and with
+  no restarts left (--max-restarts 0) a replica that dies stops the rest with status 1 (its
   supervision: test_fleet_supervisor.py).
 """
 
@@ -19,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -126,6 +128,20 @@ def test_fleet_command_serves_and_stops_on_sigterm(tiny_model, fleet_process):
     fleet.proc.send_signal(signal.SIGTERM)
     assert fleet.proc.wait(60) == 0
     assert wait_gone(set(pids.values())) == set()
+
+
+def test_fleet_out_of_restarts_stops_everything_when_a_replica_dies(tiny_model, fleet_process):
+    fleet = fleet_process("--replicas", "1", "--max-restarts", "0", "--model", tiny_model, *SERVE_ARGS,
+                          env={"METRALE_API_KEY": "k3y"})
+    pids = fleet.wait_ready(1)
+    url = f"http://127.0.0.1:{fleet.port}/v1/chat/completions"
+    assert httpx.post(url, json=chat(SYSTEM, "hi"), timeout=30).status_code == 401  # refused by the router
+    response = httpx.post(url, json=chat(SYSTEM, "hi"), headers={"Authorization": "Bearer k3y"}, timeout=30)
+    assert response.status_code == 200, response.text
+    os.kill(pids["replica-0"], signal.SIGKILL)
+    assert fleet.proc.wait(60) == 1
+    assert wait_gone(set(pids.values())) == set()
+    fleet.wait_line(r"replica-0 \(pid \d+\) was killed by SIGKILL; replica-0 restarted 0 times in 300 s: giving up")
 
 
 def test_router_registers_both_replicas_under_the_served_model_id(cluster):
