@@ -44,3 +44,19 @@ def test_a_gguf_tokenizer_exports_and_loads_back(tmp_path):
     exported = Tokenizer.from_folder(tmp_path / "out")
     for text in TEXTS[:2]:
         assert exported.encode(text) == original.encode(text)
+
+
+@pytest.mark.parametrize("name", ["llama-bpe", "qwen2", "gemma-4", "llama-spm", "deepseek-coder", "bert-bge"])
+def test_llama_cpp_vocabularies_export_to_the_same_ids(tmp_path, name):
+    """Every kind of GGUF vocabulary (byte-level BPE with pre-tokenizer regexes, SentencePiece, Gemma 4, WordPiece)
+    survives the round trip through tokenizer.json: llama.cpp's test cases encode to the same ids."""
+    from metrale.loading.tokenizer_only import load_tokenizer
+    from tests.metrale.text.test_gguf_vocab import read_cases
+    from tests.llamacpp_assets import models_dir
+
+    folder = models_dir()
+    assert main(["tokenizer", "export", str(tmp_path / name), "--model", str(folder / f"ggml-vocab-{name}.gguf")]) == 0
+    original = load_tokenizer(folder / f"ggml-vocab-{name}.gguf")
+    exported = Tokenizer.from_folder(tmp_path / name)
+    for text, _ in read_cases(folder, name):
+        assert exported.encode(text) == original.encode(text), (name, text)
