@@ -9,7 +9,8 @@ import json
 import pytest
 
 from metrale.text.tool_calls import ParsedOutput, ToolCall, collect
-from metrale.text.tool_parsers import NamedCallParser, detect_format, make_parser, parse_tool_calls
+from metrale.text.output_parsing import detect_format, make_parser, parse_tool_calls
+from metrale.text.tool_parsers import NamedCallParser
 
 WEATHER = '{"location": "San Francisco, CA, USA", "unit": "celsius"}'
 UNICODE = '{"city": "Zürich", "note": "naïve \\"quoted\\" ✓ 東京", "days": [1, 2.5, -3e2], "ok": true, "x": null}'
