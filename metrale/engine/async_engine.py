@@ -45,7 +45,8 @@ from metrale.speculative.speculator import Speculator
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
-from metrale.text.tool_parsers import detect_format
+from metrale.text.output_parsing import detect_format
+from metrale.text.reasoning import detect_reasoning
 from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -386,6 +387,11 @@ class AsyncEngine:
     def tool_call_format(self) -> str | None:
         """How the model writes tool calls (from its chat template), or None; known once started."""
         return detect_format(self._inputs.chat_template.source) if self._inputs is not None else None
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning (from its chat template), or None; known once started."""
+        return detect_reasoning(self._inputs.chat_template.source) if self._inputs is not None else None
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -30,6 +30,10 @@ class EngineClient(Protocol):
         """How the model writes tool calls, from its chat template (a metrale.text.tool_parsers format),
         or None when the template shows none."""
 
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning, from its chat template (a metrale.text.reasoning format), or None."""
+
     async def start(self) -> Any:
         """Load the model and start serving."""
 

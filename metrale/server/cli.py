@@ -24,6 +24,8 @@ from metrale.config import EngineConfig
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
 from metrale.server.cors import parse_origins
+from metrale.text.output_parsing import CHOOSABLE
+from metrale.text.reasoning import MARKERS as REASONING_MARKERS
 
 logger = logging.getLogger(__name__)
 DESCRIPTION = """Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
@@ -99,8 +101,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--dead-exit-grace", type=float, default=5.0,
                       help="seconds between the engine dying and the process exiting with status 1")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    http.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
-                      help="how the model writes tool calls (default: read from its chat template)")
+    http.add_argument("--tool-call-parser", default=None, choices=CHOOSABLE,
+                      help="how the model writes tool calls (default: read from its chat template; \"generic\" "
+                           "when it shows none)")
+    http.add_argument("--reasoning-parser", default=None, choices=(*sorted(REASONING_MARKERS), "none"),
+                      help="how the model marks its reasoning, split into reasoning_content (default: read "
+                           "from its chat template; \"none\" leaves it in content)")
 
 
 class _JoinHosts(argparse.Action):
@@ -230,7 +236,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     model_aliases=tuple(args.model_alias or ()),
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
-                    tool_call_parser=args.tool_call_parser, allowed_origins=origins)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    allowed_origins=origins)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
                             lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,

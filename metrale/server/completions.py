@@ -46,11 +46,12 @@ class _Call:
     model: str
     include_usage: bool
     logprobs: int | None  # None: not requested
-    plan: tools.ToolPlan | None = None  # chat with tool parsing (metrale.server.tools)
+    plan: tools.OutputPlan | None = None  # chat with reasoning or tool parsing (metrale.server.tools)
     n: int = 1  # choices
     echo: str | None = None  # completions with echo: the prompt text each choice starts with
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top alternatives), None: not requested
+    prompt_tail: str = ""  # the prompt's last tokens as text: where a reasoning block stands
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -63,7 +64,7 @@ class _Choice:
 
     def __init__(self, index: int, call: _Call) -> None:
         self.index = index
-        self.tools = call.plan.stream() if call.plan is not None else None
+        self.tools = call.plan.stream(call.prompt_tail) if call.plan is not None else None
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.last: RequestOutput | None = None
@@ -96,24 +97,32 @@ class _Choice:
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
-                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
+                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                 reasoning_parser: str | None = None) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
     `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
     field, which also makes the response id), else the response id.
-    `tool_call_format` overrides the format the engine reads from the model's chat template;
+    `tool_call_format` overrides the format the engine reads from the model's chat template, and
+    `reasoning_parser` its reasoning format ("none": reasoning stays in content);
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
     params = protocol.sampling_params(request, default_max_tokens)
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
+    output = tools.output_plan(plan, tools.reasoning_format(reasoning_parser, engine),
+                               request.include_reasoning is not False) if chat else None
     if plan is not None:
         params = plan.params(params)
+    if output is not None:
+        params = output.params(params)
     await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output
                    else structured.source_of(request))
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     try:
         if chat:  # long prompts are tokenized off the event loop
-            prompt_ids = await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
+            messages = tools.template_messages(protocol.chat_messages(request), plan,
+                                               tool_call_format or engine.tool_call_format)
+            prompt_ids = await engine.chat_token_ids(messages,
                                                      tools=plan.template_tools if plan is not None else None,
                                                      **protocol.template_kwargs(request))
         else:
@@ -125,8 +134,8 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id or uuid.uuid4().hex}",
                      int(time.time()), model,
                      include_usage, params.logprobs,
-                     plan if plan is not None and plan.parses_calls else None, params.n, echo,
-                     tuple(prompt_ids), request.prompt_logprobs)
+                     output, params.n, echo, tuple(prompt_ids), request.prompt_logprobs,
+                     tools.prompt_tail(engine, prompt_ids) if output is not None else "")
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     except APIError:
         raise

@@ -141,8 +141,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     function_call: Any = None
     metadata: Any = None
     store: Any = None
-    reasoning_effort: Any = None
-    include_reasoning: Any = None
+    reasoning_effort: str | None = None  # given to the chat template (gpt-oss reads it); "none" turns thinking off
+    include_reasoning: bool | None = None  # vLLM's: false drops reasoning_content from the response
     verbosity: Any = None
     web_search_options: Any = None
     service_tier: Any = None
@@ -162,8 +162,9 @@ _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_id
                 "include_stop_str_in_output", "skip_special_tokens")
 PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
                               "prompt", "messages", "n", "model", "best_of", "echo", "prompt_logprobs",
-                              "chat_template_kwargs", *structured.PARAM_NAMES)
+                              "chat_template_kwargs", "reasoning_effort", *structured.PARAM_NAMES)
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")  # set by the server itself
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -259,13 +260,23 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
                           f"the best {request.n} of {request.best_of} is not supported", "best_of")
 
 
-def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
-    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False)."""
-    kwargs = request.chat_template_kwargs or {}
+def template_kwargs(request: Any) -> dict[str, Any]:
+    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False), and
+    reasoning_effort as the template variable of that name (gpt-oss's); reasoning_effort "none" also sets
+    enable_thinking=False (Qwen3's switch) unless the kwargs set it."""
+    kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
     for name in kwargs:
         if not name.isidentifier() or name in _TEMPLATE_RESERVED:
             raise bad_request(f"chat_template_kwargs cannot set {name!r}", "chat_template_kwargs")
-    return dict(kwargs)
+    effort = request.reasoning_effort
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
+                              "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
+        if effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    return kwargs
 
 
 def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:

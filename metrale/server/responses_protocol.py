@@ -10,7 +10,7 @@
     tool_choice: "auto" | "none" | "required" | {type: function, name}
     text.format: {type: text | json_object | json_schema (schema)} -> structured outputs
 
-Fields metrale cannot honour (stored responses, previous_response_id, conversation, reasoning,
+Fields metrale cannot honour (stored responses, previous_response_id, conversation,
 background mode, include, truncation "auto", built-in tools) are refused with a 400 naming them.
 """
 
@@ -24,6 +24,7 @@ import msgspec
 
 from metrale.sampling_params import SamplingParams
 from metrale.server.errors import bad_request
+from metrale.server import protocol
 from metrale.server.protocol import Int64
 from metrale.structured_outputs import StructuredOutputs
 
@@ -77,8 +78,10 @@ def refuse_unsupported(request: ResponsesRequest) -> None:
     for name in ("previous_response_id", "conversation", "prompt"):
         if getattr(request, name) is not None:
             raise bad_request(f"{name} is not supported: responses are not kept, send the whole input", name)
-    if request.reasoning:
-        raise bad_request("reasoning is not supported", "reasoning")
+    effort = (request.reasoning or {}).get("effort")
+    if effort is not None and effort not in protocol.REASONING_EFFORTS:
+        raise bad_request(f"reasoning.effort must be one of {', '.join(protocol.REASONING_EFFORTS)}; got {effort!r}",
+                          "reasoning")
     if request.background:
         raise bad_request("background mode is not supported", "background")
     if request.include:
@@ -91,6 +94,18 @@ def refuse_unsupported(request: ResponsesRequest) -> None:
         raise bad_request("max_tool_calls is not supported", "max_tool_calls")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def template_kwargs(request: ResponsesRequest) -> dict[str, Any]:
+    """reasoning.effort as the chat template's reasoning_effort (and "none" as enable_thinking=False)."""
+    effort = (request.reasoning or {}).get("effort")
+    return protocol.template_kwargs(_Effort(effort))
+
+
+@dataclass(frozen=True, slots=True)
+class _Effort:
+    reasoning_effort: str | None
+    chat_template_kwargs: None = None
 
 
 def sampling_params(request: ResponsesRequest, default_max_tokens: int | None) -> SamplingParams:

@@ -2,13 +2,17 @@
 
     tool_choice  prompt gets tools   output                                      enforced by
     "none"       no                  plain content
-    "auto"       yes                 content and/or calls in the model's format  (parsed; needs a format)
+    "auto"       yes                 content and/or calls in the model's format  (parsed)
+                                     or, when its template shows none, the generic {"tool_call": ...} |
+                                     {"response": ...} answer (metrale.text.generic_tools)   a JSON-schema grammar
     "required"   yes                 [{"name": ..., "parameters": {...}}, ...]   a JSON-schema grammar
     {"type": "function", "function": {"name": f}}   yes   the arguments of f     f's parameters schema
 
-The model's format comes from its chat template (metrale.text.tool_parsers.detect_format) or the
-server's --tool-call-parser. "required" and named calls follow vLLM's convention, so they work with
-any model. A response with calls has `message.tool_calls` (streamed as OpenAI does: per call a first
+`tools` without `tool_choice` is "auto". The model's format comes from its chat template
+(metrale.text.output_parsing.detect_format) or the server's --tool-call-parser. "required" and named
+calls follow vLLM's convention, so they work with any model. Reasoning (`<think>` ...) is split into
+`reasoning_content` by the parser the template shows or --reasoning-parser names (`OutputPlan`), in
+front of the tool-call parser; not when a grammar holds the output to a call. A response with calls has `message.tool_calls` (streamed as OpenAI does: per call a first
 delta with index, id, type and name, then fragments of the arguments' JSON text) and finish_reason
 "tool_calls" ("stop" for a named function, as OpenAI). Assistant turns with `tool_calls` and `tool` turns
 reach the template with their arguments decoded into objects, as Hugging Face templates expect.
@@ -16,7 +20,9 @@ reach the template with their arguments decoded into objects, as Hugging Face te
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +32,16 @@ import msgspec
 from metrale.sampling_params import SamplingParams
 from metrale.server.errors import bad_request
 from metrale.structured_outputs import StructuredOutputs
-from metrale.text.tool_calls import ParserDelta, ToolCallParser, collect
-from metrale.text.tool_parsers import FORMATS, NamedCallParser, make_parser
+from metrale.text import generic_tools
+from metrale.text.output_parsing import SPECIAL_MARKERS, ChatOutputParser, make_parser
+from metrale.text.reasoning import MARKERS as REASONING_MARKERS
+from metrale.text.reasoning import ReasoningParser
+from metrale.text.tool_calls import ParserDelta, collect
+from metrale.text.tool_parsers import NamedCallParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_TAIL_TOKENS = 16  # prompt tokens decoded to see whether the template opened (or closed) a reasoning block
+_ALNUM = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +56,8 @@ class ToolPlan:
 
     @property
     def constrains_output(self) -> bool:
-        """"required" and a named function: the output must be a valid call (a grammar enforces it)."""
-        return self.choice in ("required", "named")
+        """"required", a named function and the generic format: a grammar holds the output to its shape."""
+        return self.choice in ("required", "named") or (self.choice == "auto" and self.fmt == "generic")
 
     @property
     def parses_calls(self) -> bool:
@@ -56,26 +68,28 @@ class ToolPlan:
     def template_tools(self) -> list[dict[str, Any]] | None:
         return list(self.tools) if self.choice != "none" and self.tools else None
 
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The generic format tells the model the tools and the answer's shape in the system message."""
+        if self.choice == "auto" and self.fmt == "generic":
+            return generic_tools.with_instructions(messages, generic_tools.instructions(self.tools, self.parallel))
+        return messages
+
     def params(self, params: SamplingParams) -> SamplingParams:
-        """The request's params with the constraint "required" / named need (a 400 if one is already set)."""
+        """The request's params with the constraint "required" / named / generic need (a 400 if one is
+        already set)."""
         spec = self._constraint()
         if spec is None:
-            if self.choice == "auto" and self.fmt in ("mistral", "llama3_json") and params.skip_special_tokens:
-                return msgspec.structs.replace(params, skip_special_tokens=False)  # their markers are special
             return params
         if params.structured_outputs is not None:
             raise bad_request(f"tool_choice {self.choice!r} cannot be combined with response_format, "
                               f"structured_outputs or guided_* fields", "tool_choice")
         return msgspec.structs.replace(params, structured_outputs=spec)
 
-    def stream(self) -> "ToolCallStream | None":
-        """The per-response parser state; None when the output is plain content."""
-        if not self.parses_calls:
-            return None
+    def parser(self) -> Any:
+        """A fresh tool-call parser for one output (a NamedCallParser for a named function)."""
         if self.choice == "named":
-            return ToolCallStream(NamedCallParser(self.named), forced=True)  # type: ignore[arg-type]
-        fmt = "json_list" if self.choice == "required" else self.fmt
-        return ToolCallStream(make_parser(fmt))  # type: ignore[arg-type]
+            return NamedCallParser(self.named)  # type: ignore[arg-type]
+        return make_parser("json_list" if self.choice == "required" else self.fmt, self.tools)  # type: ignore[arg-type]
 
     def _constraint(self) -> StructuredOutputs | None:
         if self.choice == "named":
@@ -83,15 +97,58 @@ class ToolPlan:
             return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
         if self.choice == "required":
             return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        if self.constrains_output:  # generic
+            try:
+                return StructuredOutputs(json=generic_tools.schema(self.tools, self.parallel))
+            except ValueError as error:
+                raise bad_request(str(error), "tools") from error
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    """How one chat response's output is read: reasoning (a metrale.text.reasoning format), then tool calls."""
+
+    tools: ToolPlan | None
+    reasoning: str | None
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning text
+
+    def params(self, params: SamplingParams) -> SamplingParams:
+        """Formats whose markers are special tokens need them decoded."""
+        fmt = self.tools.fmt if self.tools is not None and self.tools.choice == "auto" else None
+        if params.skip_special_tokens and (fmt in SPECIAL_MARKERS or self.reasoning == "mistral"):
+            return msgspec.structs.replace(params, skip_special_tokens=False)
+        return params
+
+    def stream(self, prompt_tail: str) -> "ToolCallStream":
+        """The parser state of one output that follows a prompt ending in `prompt_tail`."""
+        tools = self.tools.parser() if self.tools is not None else None
+        reasoning = ReasoningParser.for_prompt(self.reasoning, prompt_tail) if self.reasoning else None
+        forced = self.tools is not None and self.tools.choice == "named"
+        return ToolCallStream(ChatOutputParser(tools, reasoning), forced=forced,
+                              include_reasoning=self.include_reasoning)
+
+
+def output_plan(tool_plan: ToolPlan | None, reasoning: str | None, include_reasoning: bool = True) -> OutputPlan | None:
+    """The plan of a chat response, None when its output is plain content. No reasoning is read when a
+    grammar holds the output to a call (it has none)."""
+    parsed = tool_plan if tool_plan is not None and tool_plan.parses_calls else None
+    if parsed is not None and parsed.constrains_output:
+        reasoning = None
+    if reasoning is not None and reasoning not in REASONING_MARKERS:
+        raise ValueError(f"unknown reasoning parser {reasoning!r}; choose one of {sorted(REASONING_MARKERS)}")
+    if parsed is None and reasoning is None:
+        return None
+    return OutputPlan(parsed, reasoning, include_reasoning)
 
 
 @dataclass(slots=True)
 class ToolCallStream:
     """One response's tool-call parsing: text deltas in, OpenAI `delta` fields out."""
 
-    parser: ToolCallParser
+    parser: ChatOutputParser
     forced: bool = False  # a named function: finish_reason stays "stop"
+    include_reasoning: bool = True
     ids: dict[int, str] = field(default_factory=dict)
 
     def feed(self, text: str) -> dict[str, Any]:
@@ -122,6 +179,8 @@ class ToolCallStream:
             self._fields(delta)  # the call ids, in order
         parsed = collect(deltas)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning and self.include_reasoning:
+            message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
             message["content"] = parsed.content if parsed.content.strip() else None
             message["tool_calls"] = [{"id": self.ids[i], "type": "function",
@@ -131,6 +190,8 @@ class ToolCallStream:
 
     def _fields(self, delta: ParserDelta) -> dict[str, Any]:
         fields: dict[str, Any] = {}
+        if delta.reasoning and self.include_reasoning:
+            fields["reasoning_content"] = delta.reasoning
         if delta.content:
             fields["content"] = delta.content
         calls = []
@@ -157,13 +218,8 @@ def plan(request: Any, model_format: str | None) -> ToolPlan | None:
     parallel = True if request.parallel_tool_calls is None else request.parallel_tool_calls
     names = [t["function"]["name"] for t in tools]
     if choice is None or choice in ("none", "auto", "required"):
-        choice = choice or "auto"
-        if choice == "auto" and model_format is None:
-            raise bad_request("tool_choice \"auto\" needs to know how the model writes tool calls, and its chat "
-                              "template shows none; start the server with --tool-call-parser "
-                              f"({', '.join(f for f in FORMATS if f != 'json_list')}), or use tool_choice "
-                              "\"required\" or a named function", "tool_choice")
-        return ToolPlan(choice, tools, fmt=model_format, parallel=parallel)
+        choice = choice or "auto"  # OpenAI's default when tools are given
+        return ToolPlan(choice, tools, fmt=model_format or "generic", parallel=parallel)
     named = _named_choice(choice)
     if named not in names:
         raise bad_request(f"tool_choice names function {named!r}, which is not in tools ({', '.join(names)})",
@@ -171,21 +227,50 @@ def plan(request: Any, model_format: str | None) -> ToolPlan | None:
     return ToolPlan("named", tools, named=named, parallel=parallel)
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def reasoning_format(override: str | None, engine: Any) -> str | None:
+    """The server's --reasoning-parser ("none": off), else what the engine reads from the chat template."""
+    if override is not None:
+        return None if override == "none" else override
+    return engine.reasoning_format
+
+
+def prompt_tail(engine: Any, prompt_ids: list[int]) -> str:
+    """The last tokens of the prompt as text (special tokens kept): whether the template opened reasoning."""
+    return engine.decode(prompt_ids[-_TAIL_TOKENS:])
+
+
+def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None = None,
+                      model_format: str | None = None) -> list[dict[str, Any]]:
     """Messages for the chat template: assistant tool-call arguments decoded from their JSON text into
-    objects (as Hugging Face templates expect them); a 400 on malformed tool calls."""
+    objects (as Hugging Face templates expect them), the generic format's instructions added, and for
+    Mistral's templates call ids made the 9 letters and digits they insist on; a 400 on malformed tool calls."""
     out = []
+    short_ids = model_format == "mistral"
     for index, message in enumerate(messages):
         calls = message.get("tool_calls")
         if calls is not None:
             if message.get("role") != "assistant" or not isinstance(calls, list):
                 raise bad_request(f"messages[{index}].tool_calls must be a list on an assistant message",
                                   "messages")
-            message = {**message, "tool_calls": [_decoded_call(index, j, call) for j, call in enumerate(calls)]}
-        if message.get("role") == "tool" and not isinstance(message.get("tool_call_id"), (str, type(None))):
-            raise bad_request(f"messages[{index}].tool_call_id must be a string", "messages")
+            calls = [_decoded_call(index, j, call) for j, call in enumerate(calls)]
+            if short_ids:
+                calls = [{**call, "id": mistral_id(call.get("id"))} for call in calls]
+            message = {**message, "tool_calls": calls}
+        if message.get("role") == "tool":
+            if not isinstance(message.get("tool_call_id"), (str, type(None))):
+                raise bad_request(f"messages[{index}].tool_call_id must be a string", "messages")
+            if short_ids:
+                message = {**message, "tool_call_id": mistral_id(message.get("tool_call_id"))}
         out.append(message)
-    return out
+    return plan.messages(out) if plan is not None else out
+
+
+def mistral_id(call_id: Any) -> Any:
+    """A call id as Mistral's templates want it (9 letters and digits): kept when it is, else a stable hash."""
+    if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isalnum() and call_id.isascii()):
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).digest()
+    return "".join(_ALNUM[byte % len(_ALNUM)] for byte in digest[:9])
 
 
 def required_schema(tools: tuple[dict[str, Any], ...], parallel: bool) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from metrale.text.json_scan import ObjectScanner, ScanError, ValueStart, ValueText
 from metrale.text.tool_calls import CallScanner, ParserDelta, ToolCallParser, merged
+from metrale.text.tool_parsers import JsonListParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -113,8 +114,7 @@ class GenericParser(ToolCallParser):
             if key == "tool_call":
                 self._call = CallScanner(0)
             elif key == "tool_calls":
-                from metrale.text.tool_parsers import JsonListParser  # the same list of calls
-                self._list = JsonListParser()
+                self._list = JsonListParser()  # the list of calls "required" makes, with "arguments"
 
     def _value(self, text: str, out: ParserDelta) -> None:
         if self._key == "response":

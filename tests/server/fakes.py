@@ -42,6 +42,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.live: dict[str, asyncio.Task] = {}
         self.tool_call_format: str | None = None
+        self.reasoning_format: str | None = None
         self.prepared: list[SamplingParams] = []
         self.chat_tools: list = []
         self.template_kwargs: list[dict] = []
