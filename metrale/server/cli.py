@@ -20,7 +20,7 @@ from typing import Iterator
 import uvicorn
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 
-from metrale.config import EngineConfig
+from metrale.config import GENERATION_CONFIGS, EngineConfig
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
 from metrale.server.cors import parse_origins
@@ -67,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=defaults.block_size)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=defaults.seed)
+    engine.add_argument("--generation-config", default=defaults.generation_config, choices=GENERATION_CONFIGS,
+                        help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty take "
+                             "the model's defaults (generation_config.json, GGUF general.sampling.*); vllm: ignore them")
     engine.add_argument("--tensor-parallel", type=int, default=defaults.tensor_parallel_size, metavar="N",
                         help="shard the model over N ranks on this machine (MLX ring backend on 127.0.0.1); "
                              "this process is rank 0 and starts the others")
@@ -150,7 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,
-                        tensor_parallel_size=args.tensor_parallel)
+                        tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config)
 
 
 class DrainingServer(uvicorn.Server):

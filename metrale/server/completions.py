@@ -107,7 +107,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
-    params = protocol.sampling_params(request, default_max_tokens)
+    params = protocol.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
     output = tools.output_plan(plan, tools.reasoning_format(reasoning_parser, engine),
                                request.include_reasoning is not False) if chat else None

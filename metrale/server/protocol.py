@@ -11,6 +11,7 @@ metrale.server.structured, tools in metrale.server.tools.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -199,12 +200,13 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest,
-                    default_max_tokens: int | None) -> SamplingParams:
+                    default_max_tokens: int | None, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """Validate and translate the sampling fields; a 400 naming the field on any bad value.
 
     A chat request that sets neither max_tokens nor max_completion_tokens gets `default_max_tokens`,
     and when that is None too, the rest of the context (the engine's max_model_len minus the prompt,
-    vLLM's rule). Completions default to OpenAI's 16.
+    vLLM's rule). Completions default to OpenAI's 16. `model_defaults` (the engine's sampling_defaults: the
+    model's generation_config.json) fill the sampling fields the request leaves unset.
     """
     _refuse_unsupported(request)
     kwargs: dict[str, Any] = {}
@@ -215,6 +217,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
         if isinstance(value, float) and not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number, got {value}", name)
         kwargs[name] = value
+    for name, value in (model_defaults or {}).items():
+        kwargs.setdefault(name, value)
     if request.stop is not None:
         kwargs["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     if isinstance(request, ChatCompletionRequest):

@@ -97,7 +97,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
     request = protocol.decode(body, rp.ResponsesRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
     rp.refuse_unsupported(request)
-    params = rp.sampling_params(request, default_max_tokens)
+    params = rp.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
     output = tools.output_plan(plan, tools.reasoning_format(reasoning_parser, engine))
     if plan is not None:

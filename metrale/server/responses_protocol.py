@@ -1,7 +1,7 @@
 """POST /v1/responses request bodies: the OpenAI Responses API mapped onto the chat machinery.
 
     input: "text"                         -> [user message]
-    input: [ {role, content}, ...]        -> messages (developer -> system; content a string or
+    input: [ {role, content}, ...]        -> messages (developer as the template renders it; content a string or
                                               input_text / output_text parts)
            {type: function_call, call_id, name, arguments}  -> an assistant turn with tool_calls
            {type: function_call_output, call_id, output}    -> a tool turn
@@ -28,7 +28,7 @@ from metrale.server import protocol
 from metrale.server.protocol import Int64
 from metrale.structured_outputs import StructuredOutputs
 
-_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_ROLES = {"user": "user", "system": "system", "developer": "developer", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -108,9 +108,12 @@ class _Effort:
     chat_template_kwargs: None = None
 
 
-def sampling_params(request: ResponsesRequest, default_max_tokens: int | None) -> SamplingParams:
+def sampling_params(request: ResponsesRequest, default_max_tokens: int | None,
+                    model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's params; `model_defaults` (the model's generation_config.json) fill what it leaves unset."""
     kwargs: dict[str, Any] = {"max_tokens": request.max_output_tokens if request.max_output_tokens is not None
                               else default_max_tokens}
+    kwargs.update(model_defaults or {})
     for name in ("temperature", "top_p"):
         value = getattr(request, name)
         if value is not None:
