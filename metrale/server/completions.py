@@ -22,7 +22,7 @@ from typing import Any
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.server import logprobs as lp
-from metrale.server import protocol, structured, tools
+from metrale.server import chat_output, protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, from_engine_error
 from metrale.engine.protocol import EngineClient
@@ -46,7 +46,7 @@ class _Call:
     model: str
     include_usage: bool
     logprobs: int | None  # None: not requested
-    plan: tools.OutputPlan | None = None  # chat with reasoning or tool parsing (metrale.server.tools)
+    plan: chat_output.OutputPlan | None = None  # chat with reasoning or tool parsing (metrale.server.chat_output)
     n: int = 1  # choices
     echo: str | None = None  # completions with echo: the prompt text each choice starts with
     prompt_token_ids: tuple[int, ...] = ()
@@ -109,7 +109,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     model = protocol.model_or_404(request.model, served_model, model_aliases)
     params = protocol.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
-    output = tools.output_plan(plan, tools.reasoning_format(reasoning_parser, engine),
+    output = chat_output.output_plan(plan, chat_output.reasoning_format(reasoning_parser, engine),
                                request.include_reasoning is not False) if chat else None
     if plan is not None:
         params = plan.params(params)
@@ -135,7 +135,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
                      int(time.time()), model,
                      include_usage, params.logprobs,
                      output, params.n, echo, tuple(prompt_ids), request.prompt_logprobs,
-                     tools.prompt_tail(engine, prompt_ids) if output is not None else "")
+                     chat_output.prompt_tail(engine, prompt_ids) if output is not None else "")
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     except APIError:
         raise

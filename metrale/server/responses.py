@@ -27,7 +27,7 @@ from typing import Any
 from metrale.engine.protocol import EngineClient
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
-from metrale.server import protocol, tools
+from metrale.server import chat_output, protocol, tools
 from metrale.server import responses_protocol as rp
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.completions import ABORTED, prepare_params
@@ -99,7 +99,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
     rp.refuse_unsupported(request)
     params = rp.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
-    output = tools.output_plan(plan, tools.reasoning_format(reasoning_parser, engine))
+    output = chat_output.output_plan(plan, chat_output.reasoning_format(reasoning_parser, engine))
     if plan is not None:
         params = plan.params(params)
     if output is not None:
@@ -118,7 +118,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
         if api_error is None:
             raise
         raise api_error from error
-    tool_stream = output.stream(tools.prompt_tail(engine, prompt_ids)) if output is not None else None
+    tool_stream = output.stream(chat_output.prompt_tail(engine, prompt_ids)) if output is not None else None
     respond = _stream_response if request.stream else _full_response
     try:
         await run_until_disconnect(respond(response, tool_stream, stream, send), receive)
@@ -126,7 +126,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
         await stream.aclose()
 
 
-async def _full_response(response: _Response, tool_stream: tools.ToolCallStream | None, stream: Any,
+async def _full_response(response: _Response, tool_stream: chat_output.ToolCallStream | None, stream: Any,
                          send: Send) -> None:
     texts: list[str] = []
     last: RequestOutput | None = None
@@ -246,7 +246,7 @@ class _EventStream:
         self.calls = {}
 
 
-async def _stream_response(response: _Response, tool_stream: tools.ToolCallStream | None, stream: Any,
+async def _stream_response(response: _Response, tool_stream: chat_output.ToolCallStream | None, stream: Any,
                            send: Send) -> None:
     sse = SSEResponse(send)
     await sse.start()

@@ -11,10 +11,9 @@
 `tools` without `tool_choice` is "auto". The model's format comes from its chat template
 (metrale.text.output_parsing.detect_format) or the server's --tool-call-parser. "required" and named
 calls follow vLLM's convention, so they work with any model. Reasoning (`<think>` ...) is split into
-`reasoning_content` by the parser the template shows or --reasoning-parser names (`OutputPlan`), in
-front of the tool-call parser; not when a grammar holds the output to a call. A response with calls has `message.tool_calls` (streamed as OpenAI does: per call a first
-delta with index, id, type and name, then fragments of the arguments' JSON text) and finish_reason
-"tool_calls" ("stop" for a named function, as OpenAI). Assistant turns with `tool_calls` and `tool` turns
+`reasoning_content` by the parser the template shows or --reasoning-parser names, in front of the
+tool-call parser (metrale.server.chat_output, which also shapes the answer); not when a grammar holds
+the output to a call. Assistant turns with `tool_calls` and `tool` turns
 reach the template with their arguments decoded into objects, as Hugging Face templates expect.
 """
 
@@ -23,8 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import string
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,14 +31,10 @@ from metrale.sampling_params import SamplingParams
 from metrale.server.errors import bad_request
 from metrale.structured_outputs import StructuredOutputs
 from metrale.text import generic_tools
-from metrale.text.output_parsing import SPECIAL_MARKERS, ChatOutputParser, make_parser
-from metrale.text.reasoning import MARKERS as REASONING_MARKERS
-from metrale.text.reasoning import ReasoningParser
-from metrale.text.tool_calls import ParserDelta, collect
+from metrale.text.output_parsing import make_parser
 from metrale.text.tool_parsers import NamedCallParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-_TAIL_TOKENS = 16  # prompt tokens decoded to see whether the template opened (or closed) a reasoning block
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -105,108 +99,6 @@ class ToolPlan:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class OutputPlan:
-    """How one chat response's output is read: reasoning (a metrale.text.reasoning format), then tool calls."""
-
-    tools: ToolPlan | None
-    reasoning: str | None
-    include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning text
-
-    def params(self, params: SamplingParams) -> SamplingParams:
-        """Formats whose markers are special tokens need them decoded."""
-        fmt = self.tools.fmt if self.tools is not None and self.tools.choice == "auto" else None
-        if params.skip_special_tokens and (fmt in SPECIAL_MARKERS or self.reasoning == "mistral"):
-            return msgspec.structs.replace(params, skip_special_tokens=False)
-        return params
-
-    def stream(self, prompt_tail: str) -> "ToolCallStream":
-        """The parser state of one output that follows a prompt ending in `prompt_tail`."""
-        tools = self.tools.parser() if self.tools is not None else None
-        reasoning = ReasoningParser.for_prompt(self.reasoning, prompt_tail) if self.reasoning else None
-        forced = self.tools is not None and self.tools.choice == "named"
-        return ToolCallStream(ChatOutputParser(tools, reasoning), forced=forced,
-                              include_reasoning=self.include_reasoning)
-
-
-def output_plan(tool_plan: ToolPlan | None, reasoning: str | None, include_reasoning: bool = True) -> OutputPlan | None:
-    """The plan of a chat response, None when its output is plain content. No reasoning is read when a
-    grammar holds the output to a call (it has none)."""
-    parsed = tool_plan if tool_plan is not None and tool_plan.parses_calls else None
-    if parsed is not None and parsed.constrains_output:
-        reasoning = None
-    if reasoning is not None and reasoning not in REASONING_MARKERS:
-        raise ValueError(f"unknown reasoning parser {reasoning!r}; choose one of {sorted(REASONING_MARKERS)}")
-    if parsed is None and reasoning is None:
-        return None
-    return OutputPlan(parsed, reasoning, include_reasoning)
-
-
-@dataclass(slots=True)
-class ToolCallStream:
-    """One response's tool-call parsing: text deltas in, OpenAI `delta` fields out."""
-
-    parser: ChatOutputParser
-    forced: bool = False  # a named function: finish_reason stays "stop"
-    include_reasoning: bool = True
-    ids: dict[int, str] = field(default_factory=dict)
-
-    def feed(self, text: str) -> dict[str, Any]:
-        """The chat `delta` fields for a piece of output text ({} when nothing is certain yet)."""
-        return self._fields(self.parser.feed(text))
-
-    def finish(self) -> dict[str, Any]:
-        """The delta fields of what the parser held back until the end."""
-        return self._fields(self.parser.finish())
-
-    def delta(self, text: str, final: bool) -> dict[str, Any]:
-        """`feed`, and with `final` also `finish`, as one chat `delta`."""
-        fields = self.feed(text)
-        if final:
-            for key, value in self.finish().items():
-                fields[key] = fields.get(key, type(value)()) + value  # content: str, tool_calls: list
-        return fields
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        if reason == "stop" and self.ids and not self.forced:
-            return "tool_calls"
-        return reason
-
-    def message(self, text: str) -> dict[str, Any]:
-        """The non-streamed message: the same parser over the whole text."""
-        deltas = [self.parser.feed(text), self.parser.finish()]
-        for delta in deltas:
-            self._fields(delta)  # the call ids, in order
-        parsed = collect(deltas)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.reasoning and self.include_reasoning:
-            message["reasoning_content"] = parsed.reasoning
-        if parsed.tool_calls:
-            message["content"] = parsed.content if parsed.content.strip() else None
-            message["tool_calls"] = [{"id": self.ids[i], "type": "function",
-                                      "function": {"name": call.name, "arguments": call.arguments}}
-                                     for i, call in enumerate(parsed.tool_calls)]
-        return message
-
-    def _fields(self, delta: ParserDelta) -> dict[str, Any]:
-        fields: dict[str, Any] = {}
-        if delta.reasoning and self.include_reasoning:
-            fields["reasoning_content"] = delta.reasoning
-        if delta.content:
-            fields["content"] = delta.content
-        calls = []
-        for call in delta.tool_calls:
-            if call.name is not None:
-                self.ids[call.index] = f"call_{uuid.uuid4().hex[:24]}"
-                calls.append({"index": call.index, "id": self.ids[call.index], "type": "function",
-                              "function": {"name": call.name, "arguments": call.arguments}})
-            else:
-                calls.append({"index": call.index, "function": {"arguments": call.arguments}})
-        if calls:
-            fields["tool_calls"] = calls
-        return fields
-
-
 def plan(request: Any, model_format: str | None) -> ToolPlan | None:
     """Validate tools / tool_choice / parallel_tool_calls; None when the request has no tools."""
     tools = _tools(request.tools)
@@ -225,18 +117,6 @@ def plan(request: Any, model_format: str | None) -> ToolPlan | None:
         raise bad_request(f"tool_choice names function {named!r}, which is not in tools ({', '.join(names)})",
                           "tool_choice")
     return ToolPlan("named", tools, named=named, parallel=parallel)
-
-
-def reasoning_format(override: str | None, engine: Any) -> str | None:
-    """The server's --reasoning-parser ("none": off), else what the engine reads from the chat template."""
-    if override is not None:
-        return None if override == "none" else override
-    return engine.reasoning_format
-
-
-def prompt_tail(engine: Any, prompt_ids: list[int]) -> str:
-    """The last tokens of the prompt as text (special tokens kept): whether the template opened reasoning."""
-    return engine.decode(prompt_ids[-_TAIL_TOKENS:])
 
 
 def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None = None,
