@@ -132,16 +132,18 @@ class MistralParser(ToolCallParser):
                 if not self._content_until(self.MARKER, out):
                     return
                 self._mode = "list"
-            elif self._mode == "list":  # expect '[' (v3) or a function name (v11)
-                if not self._skip_whitespace():
+            elif self._mode == "list":  # expect '[' (v3) or, right after the marker, a function name (v11)
+                head = self._buffer.lstrip(_WHITESPACE)
+                if not head:
                     return
-                if self._buffer[0] != "[":
-                    if not self.NAMED_CALLS:
-                        self._not_a_list(out)
-                    self._mode = "name" if self.NAMED_CALLS else "content"
-                    continue
-                self._buffer = self._buffer[1:]
-                self._mode = "item"
+                if head[0] == "[":
+                    self._buffer = head[1:]
+                    self._mode = "item"
+                elif self.NAMED_CALLS and head == self._buffer:
+                    self._mode = "name"
+                else:  # not a call: the marker and what follows are text
+                    self._not_a_list(out)
+                    self._mode = "content"
             elif self._mode == "name":
                 if not self._named_call(out):
                     return

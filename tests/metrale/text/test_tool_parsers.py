@@ -40,6 +40,29 @@ CASES = [
      [("get_current_weather", WEATHER)]),
     ("mistral", f'Sure. [TOOL_CALLS][{{"name": "a", "arguments": {UNICODE}}}, {{"name": "b", "arguments": {{}}}}]',
      "Sure. ", [("a", UNICODE), ("b", "{}")]),
+    # Mistral Small 3.2 / Devstral / Magistral (v11+ tokenizers), with and without call ids; a marker that is text
+    ("mistral", f'Checking.[TOOL_CALLS]get_weather[ARGS]{UNICODE}[TOOL_CALLS]t[CALL_ID]ab12CD34e[ARGS]{{}}',
+     "Checking.", [("get_weather", UNICODE), ("t", "{}")]),
+    ("mistral", "The [TOOL_CALLS] marker, said aloud.", "The [TOOL_CALLS] marker, said aloud.", []),
+    # Granite 3.x
+    ("granite", f'<|tool_call|>[{{"name": "a", "arguments": {UNICODE}}}]', "", [("a", UNICODE)]),
+    # DeepSeek R1 / V3 and V3.1
+    ("deepseek", f'Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{UNICODE}\n```'
+                 '<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>b\n```json\n{}\n```<｜tool▁call▁end｜>'
+                 '<｜tool▁calls▁end｜>', "Let me look.", [("a", UNICODE), ("b", "{}")]),
+    ("deepseek", f'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{UNICODE}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "", [("a", UNICODE)]),
+    # Qwen3-Coder XML (values typed by the schema; without tools: JSON when it reads as JSON)
+    ("qwen3_coder", 'Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich "Nord"\n</parameter>\n'
+                    '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=t>\n'
+                    '</function>\n</tool_call>',
+     "Sure.\n", [("get_weather", '{"city": "Zürich \\"Nord\\"", "days": 3}'), ("t", "{}")]),
+    # pythonic (Llama 4, LFM2)
+    ("pythonic", '[get_weather(city="Zürich", days=[1, 2.5]), get_time()]', "",
+     [("get_weather", '{"city": "Zürich", "days": [1, 2.5]}'), ("get_time", "{}")]),
+    ("pythonic", 'Here.<|tool_call_start|>[a(x=True, y=None)]<|tool_call_end|>Done.', "Here.Done.",
+     [("a", '{"x": true, "y": null}')]),
+    ("pythonic", "[1, 2] is a list, not a call.", "[1, 2] is a list, not a call.", []),
     # tool_choice "required" (vLLM's list of {"name", "parameters"})
     ("json_list", f'[\n  {{"name": "get_weather", "parameters": {UNICODE}}},\n  {{"name": "t", "parameters": {{}}}}\n]',
      "", [("get_weather", UNICODE), ("t", "{}")]),
