@@ -3,7 +3,8 @@
     hermes        Qwen 2.5/3, Hermes, many fine-tunes:
                   text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
     llama3_json   Llama 3.1+ with JSON tools: [<|python_tag|>]{"name": ..., "parameters": {...}}; {...}
-                  (a tool call only when the output starts with the object)
+                  (a tool call only when the output starts with the object), and Llama 3.1's built-in
+                  tools: <|python_tag|>brave_search.call(query="...") (read when the output ends)
     mistral       Mistral v0.3 / Nemo: text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
                   Mistral Small 3.2 / Devstral / Magistral (v11+): text [TOOL_CALLS]name[ARGS]{...}
                   (also name[CALL_ID]id[ARGS]{...}), one marker per call
@@ -22,6 +23,8 @@ that turns out not to be a call (no "name", not JSON) before its name was known 
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 
 from metrale.text.tool_calls import (ParsedOutput, ParserDelta, ToolCallDelta, ToolCallParser, merged,
@@ -76,12 +79,16 @@ class Llama3JsonParser(ToolCallParser):
         while True:
             if self._mode == "start":
                 head = self._buffer.lstrip(_WHITESPACE)
-                if head.startswith(self.TAG):
+                tagged = head.startswith(self.TAG)
+                if tagged:
                     head = head[len(self.TAG):].lstrip(_WHITESPACE)
                 elif self.TAG.startswith(head) and head:
                     return  # maybe the tag
                 if not head:
                     return
+                if head[0] != "{" and tagged:  # a built-in tool: <|python_tag|>brave_search.call(query="...")
+                    self._mode = "builtin"
+                    continue
                 if head[0] != "{":
                     self._mode = "content_only"
                     continue
@@ -106,10 +113,41 @@ class Llama3JsonParser(ToolCallParser):
                     return
                 self._mode = "call"
                 self._start_call()
+            elif self._mode == "builtin":  # held until the end: the whole output is the call
+                return
             else:  # content_only: no (more) calls
                 self._content(self._buffer, out)
                 self._buffer = ""
                 return
+
+    def finish(self) -> ParserDelta:
+        if self._mode != "builtin":
+            return super().finish()
+        out = ParserDelta()
+        code = self._buffer.strip(_WHITESPACE).removeprefix(self.TAG)
+        call = builtin_call(code)
+        if call is None:
+            self._content(self._buffer, out)
+        else:
+            out.tool_calls.append(ToolCallDelta(0, name=call[0], arguments=call[1]))
+        self._buffer, self._mode = "", "content_only"
+        return out
+
+
+def builtin_call(code: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of Llama 3.1's built-in tool call `name.call(key="value", ...)`, else None."""
+    try:
+        node = ast.parse(code.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "call"
+            and isinstance(node.func.value, ast.Name) and not node.args):
+        return None
+    try:
+        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+    except ValueError:
+        return None
+    return node.func.value.id, json.dumps(arguments, ensure_ascii=False)
 
 
 class MistralParser(ToolCallParser):

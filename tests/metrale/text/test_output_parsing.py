@@ -26,7 +26,8 @@ TOOLS = [
         "type": "object", "properties": {"zone": {"type": "string"}}}}},
 ]
 CALLS = [("get_weather", {"city": 'Zürich "Nord"', "days": 3, "hourly": True}), ("get_time", {"zone": "Europe/Oslo"})]
-TURN_ENDS = ("<sep>", "<｜Assistant｜>", "<|im_end|>", "<|eot_id|>", "</s>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|call|>", "<|end|>")
+TURN_ENDS = ("<sep>", "<｜Assistant｜>", "<|im_end|>", "<|eot_id|>", "</s>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|call|>", "<|end|>",
+             "<|eom_id|>")
 
 # template -> (tool-call format, reasoning format, calls one turn can render)
 TEMPLATES = {
@@ -61,14 +62,14 @@ GENERIC = ["google-gemma-2-2b-it.jinja", "microsoft-Phi-3.5-mini-instruct.jinja"
            "MiniMax-M1.jinja", "meetkai-functionary-medium-v3.1.jinja", "deepseek-ai-DeepSeek-V3.2.jinja"]
 
 
-def model_side_text(template: ChatTemplate, calls: list[tuple[str, dict]]) -> tuple[str, str]:
+def model_side_text(template: ChatTemplate, calls: list[tuple[str, dict]], **kwargs) -> tuple[str, str]:
     """(the history before the assistant turn, the turn's text) of a turn that makes `calls`."""
     before = [{"role": "user", "content": "Weather in Zürich?"}]
     turn = {"role": "assistant", "content": "", "tool_calls": [
         {"id": f"ab12CD3{i}e", "type": "function", "function": {"name": name, "arguments": arguments}}
         for i, (name, arguments) in enumerate(calls)]}  # Mistral's templates want 9-character ids
-    prompt = template.render(before, add_generation_prompt=True, tools=TOOLS)
-    history = template.render([*before, turn], add_generation_prompt=False, tools=TOOLS)
+    prompt = template.render(before, add_generation_prompt=True, tools=TOOLS, **kwargs)
+    history = template.render([*before, turn], add_generation_prompt=False, tools=TOOLS, **kwargs)
     common = os.path.commonprefix([prompt, history])
     if common != prompt:  # the generation prompt differs (QwQ opens <think>): cut at a tag or line end
         common = common[:max(common.rfind(c) for c in (">", "\n", "]")) + 1]
@@ -107,6 +108,17 @@ def test_tool_calls_round_trip_through_the_real_template(name):
         parsed = parse_everywhere(source, prompt, text)
         assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == CALLS[:count], text
         assert parsed.content.strip() == "" and parsed.reasoning.strip() == ""
+
+
+@pytest.mark.parametrize("name", ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.3-70B-Instruct.jinja"])
+def test_llama_builtin_tools_round_trip_through_python_tag(name):
+    source = template_path(name).read_text(encoding="utf-8")
+    template = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
+    call = ("brave_search", {"query": "weather Zürich"})
+    prompt, text = model_side_text(template, [call], builtin_tools=["brave_search", "wolfram_alpha"])
+    assert text.startswith("<|python_tag|>brave_search.call(")
+    parsed = parse_everywhere(source, prompt, text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [call] and parsed.content == ""
 
 
 @pytest.mark.parametrize("name", GENERIC)

@@ -35,6 +35,9 @@ CASES = [
      [("a", UNICODE), ("b", "{}")]),
     ("llama3_json", "I can answer that without tools: 42.", "I can answer that without tools: 42.", []),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", '<|python_tag|>brave_search.call(query="Zürich \\"Nord\\" weather")', "",
+     [("brave_search", '{"query": "Zürich \\"Nord\\" weather"}')]),
+    ("llama3_json", "<|python_tag|>print(1 +", "<|python_tag|>print(1 +", []),
     # Mistral 7B Instruct v0.3 / Nemo (decoded with special tokens)
     ("mistral", f'[TOOL_CALLS] [{{"name": "get_current_weather", "arguments": {WEATHER}}}]', "",
      [("get_current_weather", WEATHER)]),
