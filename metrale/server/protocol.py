@@ -118,6 +118,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, given back (Qwen3's template reads it)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

@@ -177,9 +177,24 @@ def chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         return messages + [{"role": "user", "content": request.input}]
     if not request.input:
         raise bad_request("input must be a non-empty string or list of items", "input")
+    reasoning = ""  # a reasoning item given back: the next assistant turn's reasoning_content
     for index, item in enumerate(request.input):
-        messages.append(_message(index, item))
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            reasoning += _reasoning_text(index, item)
+            continue
+        message = _message(index, item)
+        if reasoning and message["role"] == "assistant":
+            message["reasoning_content"], reasoning = reasoning, ""
+        messages.append(message)
     return messages
+
+
+def _reasoning_text(index: int, item: dict[str, Any]) -> str:
+    """The text of a reasoning item (its reasoning_text content, else its summary)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"input[{index}]: a reasoning item's content and summary are lists of text parts", "input")
+    return "".join(p["text"] for p in parts)
 
 
 def _message(index: int, item: Any) -> dict[str, Any]:

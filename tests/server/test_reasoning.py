@@ -113,3 +113,28 @@ async def test_the_generic_instructions_go_into_the_system_message():
     assert prompt.startswith("You can call these tools:") and "Be brief." in prompt and "get_weather" in prompt
     assert set(json.loads(params.structured_outputs.json)["anyOf"][0]["properties"]) == {"tool_call"}
     assert json.loads(r.body)["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+async def test_reasoning_given_back_reaches_the_template():
+    engine, app = thinking_app()
+    seen = []
+    render = engine.chat_token_ids
+
+    async def recording(messages, tools=None, **kwargs):
+        seen.append([m.get("reasoning_content") for m in messages])
+        return await render(messages, tools, **kwargs)
+
+    engine.chat_token_ids = recording
+    history = [*MESSAGES, {"role": "assistant", "content": "4.", "reasoning_content": "Add them."},
+               {"role": "user", "content": "And 3+3?"}]
+    r = await call(app, "POST", CHAT, {"messages": history, "max_tokens": 2})
+    assert r.status == 200, r.body
+    r = await call(app, "POST", RESPONSES, {"input": [
+        {"role": "user", "content": "2+2?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Add."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4."}]},
+        {"role": "user", "content": "3+3?"}], "max_output_tokens": 2})
+    assert r.status == 200, r.body
+    assert seen == [[None, "Add them.", None], [None, "Add.", None]]
+    r = await call(app, "POST", RESPONSES, {"input": [{"type": "reasoning", "content": "x"}], "max_output_tokens": 2})
+    assert r.status == 400 and r.json()["error"]["param"] == "input"
