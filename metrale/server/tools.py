@@ -71,10 +71,12 @@ class ToolPlan:
     def params(self, params: SamplingParams) -> SamplingParams:
         """The request's params with the constraint "required" / named / generic need (a 400 if one is
         already set)."""
-        spec = self._constraint()
+        requested = params.structured_outputs
+        spec = self._constraint(_response_schema(requested) if self.fmt == "generic" else None)
         if spec is None:
             return params
-        if params.structured_outputs is not None:
+        if requested is not None and not (self.choice == "auto" and self.fmt == "generic"
+                                          and requested.kind in ("json", "json_object")):
             raise bad_request(f"tool_choice {self.choice!r} cannot be combined with response_format, "
                               f"structured_outputs or guided_* fields", "tool_choice")
         return msgspec.structs.replace(params, structured_outputs=spec)
@@ -85,7 +87,7 @@ class ToolPlan:
             return NamedCallParser(self.named)  # type: ignore[arg-type]
         return make_parser("json_list" if self.choice == "required" else self.fmt, self.tools)  # type: ignore[arg-type]
 
-    def _constraint(self) -> StructuredOutputs | None:
+    def _constraint(self, response: dict[str, Any] | None = None) -> StructuredOutputs | None:
         if self.choice == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.named)
             return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
@@ -93,10 +95,19 @@ class ToolPlan:
             return StructuredOutputs(json=required_schema(self.tools, self.parallel))
         if self.constrains_output:  # generic
             try:
-                return StructuredOutputs(json=generic_tools.schema(self.tools, self.parallel))
+                return StructuredOutputs(json=generic_tools.schema(self.tools, self.parallel, response))
             except ValueError as error:
                 raise bad_request(str(error), "tools") from error
         return None
+
+
+def _response_schema(requested: StructuredOutputs | None) -> dict[str, Any] | None:
+    """The generic format's "response" as response_format asks for it (a JSON schema or any object)."""
+    if requested is None:
+        return None
+    if requested.kind == "json_object":
+        return {"type": "object"}
+    return json.loads(requested.json) if requested.kind == "json" else None
 
 
 def plan(request: Any, model_format: str | None) -> ToolPlan | None:

@@ -5,6 +5,7 @@ The model answers with one JSON object, held to this shape by a grammar (structu
     {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}       one call
     {"tool_calls": [{"name": ..., "arguments": {...}}, ...]}                       parallel calls
     {"response": "text for the user"}                                              no call
+    {"response": {...}}                                   no call, with a response_format schema (its JSON is the content)
 
 and the prompt says so in a system message that lists the tools (`instructions`). `GenericParser`
 streams the object: the response's text as content (its JSON escapes decoded), the calls as deltas.
@@ -23,8 +24,10 @@ from metrale.text.tool_parsers import JsonListParser
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def schema(tools: Sequence[Mapping[str, Any]], parallel: bool) -> dict[str, Any]:
-    """The JSON schema of a generic answer: a call (or, with `parallel`, a list of calls) or a response."""
+def schema(tools: Sequence[Mapping[str, Any]], parallel: bool,
+           response: Mapping[str, Any] | bool | None = None) -> dict[str, Any]:
+    """The JSON schema of a generic answer: a call (or, with `parallel`, a list of calls) or a response
+    (a string, or what `response`, the request's response_format schema, describes)."""
     defs: dict[str, Any] = {}
     variants = []
     for tool in tools:
@@ -43,9 +46,9 @@ def schema(tools: Sequence[Mapping[str, Any]], parallel: bool) -> dict[str, Any]
               "required": ["tool_calls"], "additionalProperties": False} if parallel else
              {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"],
               "additionalProperties": False})
-    response = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                "additionalProperties": False}
-    root: dict[str, Any] = {"anyOf": [calls, response]}
+    answer = {"type": "object", "properties": {"response": response if response is not None else {"type": "string"}},
+              "required": ["response"], "additionalProperties": False}
+    root: dict[str, Any] = {"anyOf": [calls, answer]}
     if defs:
         root["$defs"] = defs
     return root
@@ -78,6 +81,7 @@ class GenericParser(ToolCallParser):
         self._call: CallScanner | None = None
         self._list: ToolCallParser | None = None
         self._text = JsonStringDecoder()
+        self._raw_response: bool | None = None
 
     def _run(self, out: ParserDelta) -> None:
         text, self._buffer = self._buffer, ""
@@ -117,8 +121,10 @@ class GenericParser(ToolCallParser):
                 self._list = JsonListParser()  # the list of calls "required" makes, with "arguments"
 
     def _value(self, text: str, out: ParserDelta) -> None:
-        if self._key == "response":
-            out.content += self._text.push(text)
+        if self._key == "response":  # a string is decoded; a structured response (response_format) stays JSON
+            if self._raw_response is None:
+                self._raw_response = text != '"'
+            out.content += text if self._raw_response else self._text.push(text)
         elif self._call is not None:
             if not self._call.done:
                 self._call.push(text, out.tool_calls)

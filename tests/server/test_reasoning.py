@@ -138,3 +138,17 @@ async def test_reasoning_given_back_reaches_the_template():
     assert seen == [[None, "Add them.", None], [None, "Add.", None]]
     r = await call(app, "POST", RESPONSES, {"input": [{"type": "reasoning", "content": "x"}], "max_output_tokens": 2})
     assert r.status == 400 and r.json()["error"]["param"] == "input"
+
+
+async def test_the_generic_format_takes_response_format_as_the_response_schema():
+    engine = FakeEngine(words=('{"response": ', '{"a": 1}}'))
+    app = ServerApp(engine, manage_engine=False)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    assert r.status == 200, r.body
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": '{"a": 1}'}
+    (_, params), = engine.submitted
+    assert json.loads(params.structured_outputs.json)["anyOf"][1]["properties"]["response"] == schema
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "tools": [WEATHER], "guided_regex": "a+"})
+    assert r.status == 400 and r.json()["error"]["param"] == "tool_choice"

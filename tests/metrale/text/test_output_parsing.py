@@ -132,6 +132,7 @@ GENERIC_CASES = [
     ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Zürich \\"Nord\\"", "days": 3, "hourly": true}},'
      ' {"name": "get_time", "arguments": {"zone": "Europe/Oslo"}}]}', "", CALLS),
     ('{"response": "Sunny, 21 \\u00b0C \\ud83c\\udf1e \\"quoted\\"\\n"}', 'Sunny, 21 °C 🌞 "quoted"\n', []),
+    ('{"response": {"a": [1, "x\\"}"]}}', '{"a": [1, "x\\"}"]}', []),  # with a response_format schema
     ("not JSON at all", "not JSON at all", []),
 ]
 
