@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from jinja2 import nodes
+from jinja2.exceptions import UndefinedError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -161,8 +162,12 @@ class ChatTemplate:
         if not self.has_developer_role:  # OpenAI's newer name for the system turn
             checked = [{**m, "role": "system"} if m["role"] == "developer" else m for m in checked]
         variables = {**self.special_tokens, **kwargs}
-        return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                     tools=list(tools) if tools is not None else None, **variables)
+        try:
+            return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
+                                         tools=list(tools) if tools is not None else None, **variables)
+        except UndefinedError as error:  # the template reads a field the request left out (a tool's description)
+            raise ChatTemplateError(f"chat template: {error} (a field it reads is missing from the messages "
+                                    f"or tools)") from error
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

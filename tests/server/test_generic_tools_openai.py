@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 VOCAB = 320
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
               "required": ["city"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": PARAMETERS}}]
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
@@ -83,3 +83,40 @@ def test_reasoning_content_streamed_and_not(client):
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Oslo is cold."
     assert "".join(d.content or "" for d in deltas) == "Cold."
+
+
+# real templates (llama.cpp's copies): the server picks the formats from the GGUF's template
+FORCED = {
+    "Qwen-Qwen3-0.6B.jinja": '<think>\nOslo, so weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+                             '"arguments": {"city": "Oslo"}}\n</tool_call>',
+    "openai-gpt-oss-120b.jinja": '<|channel|>analysis<|message|>Oslo, so weather.<|end|><|start|>assistant'
+                                 '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                                 '{"city": "Oslo"}',
+    "Qwen3.5-4B.jinja": 'Oslo, so weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n'
+                        '</parameter>\n</function>\n</tool_call>',
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORCED))
+def test_a_real_templates_formats_are_read_through_the_client(tmp_path, name):
+    from tests.llamacpp_assets import template_path
+    config = tiny_config_dict(vocab_size=VOCAB, max_position_embeddings=4096)
+    _, model = make_twins(config)
+    path = tmp_path / "tiny-real-template.gguf"
+    write_tiny_gguf(str(path), config, tree_flatten(model.parameters()), vocab=byte_vocab(VOCAB),
+                    chat_template=template_path(name).read_text(encoding="utf-8"))
+    extra = {"extra_body": {"guided_choice": [FORCED[name]]}}
+    with ServerProcess("--model", str(path), "--max-model-len", "4096", "--kv-cache-mib", "64") as server:
+        with openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120) as client:
+            out = client.chat.completions.create(model="tiny-real-template", messages=MESSAGES, tools=TOOLS, max_tokens=400, **extra)
+            (choice,) = out.choices
+            assert choice.message.reasoning_content.strip() == "Oslo, so weather.", choice
+            (call,) = choice.message.tool_calls
+            assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+            assert choice.finish_reason == "tool_calls"
+            chunks = list(client.chat.completions.create(model="tiny-real-template", messages=MESSAGES, tools=TOOLS, max_tokens=400,
+                                                         stream=True, **extra))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas).strip() == "Oslo, so weather."
+            calls = [tc for d in deltas for tc in d.tool_calls or []]
+            assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Oslo"}

@@ -213,3 +213,10 @@ def test_developer_is_the_templates_developer_turn_or_system():
     gpt_oss = ChatTemplate(template_path("openai-gpt-oss-120b.jinja").read_text(encoding="utf-8"))
     assert gpt_oss.has_developer_role and not chatml.has_developer_role
     assert "<|start|>developer<|message|># Instructions\n\nAnswer in French." in gpt_oss.render(messages)
+
+
+def test_a_field_the_template_reads_but_the_request_lacks_is_a_template_error():
+    gpt_oss = ChatTemplate(template_path("openai-gpt-oss-120b.jinja").read_text(encoding="utf-8"))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(ChatTemplateError, match="description"):
+        gpt_oss.render([{"role": "user", "content": "hi"}], tools=tools)
