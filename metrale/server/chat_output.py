@@ -44,7 +44,7 @@ class OutputPlan:
             return msgspec.structs.replace(params, skip_special_tokens=False)
         return params
 
-    def stream(self, prompt_tail: str) -> "ToolCallStream":
+    def stream(self, prompt_tail: str = "") -> "ToolCallStream":
         """The parser state of one output that follows a prompt ending in `prompt_tail`."""
         tools = self.tools.parser() if self.tools is not None else None
         reasoning = ReasoningParser.for_prompt(self.reasoning, prompt_tail) if self.reasoning else None
