@@ -40,7 +40,7 @@ class OutputPlan:
     def params(self, params: SamplingParams) -> SamplingParams:
         """Formats whose markers are special tokens need them decoded."""
         fmt = self.tools.fmt if self.tools is not None and self.tools.choice == "auto" else None
-        if params.skip_special_tokens and (fmt in SPECIAL_MARKERS or self.reasoning == "mistral"):
+        if params.skip_special_tokens and (fmt in SPECIAL_MARKERS or self.reasoning in ("mistral", "seed_oss")):
             return msgspec.structs.replace(params, skip_special_tokens=False)
         return params
 
