@@ -22,10 +22,12 @@ import msgspec
 from metrale.sampling_params import SamplingParams
 from metrale.server.tools import ToolPlan
 from metrale.text.output_parsing import SPECIAL_MARKERS, ChatOutputParser
+from metrale.text.harmony import HarmonyParser
+from metrale.text.reasoning import HARMONY, ReasoningParser
 from metrale.text.reasoning import MARKERS as REASONING_MARKERS
-from metrale.text.reasoning import ReasoningParser
 from metrale.text.tool_calls import ParserDelta, collect
 
+REASONING_FORMATS = (*sorted(REASONING_MARKERS), HARMONY)  # what --reasoning-parser takes (and "none")
 _TAIL_TOKENS = 16  # prompt tokens decoded to see whether the template opened (or closed) a reasoning block
 
 
@@ -40,13 +42,16 @@ class OutputPlan:
     def params(self, params: SamplingParams) -> SamplingParams:
         """Formats whose markers are special tokens need them decoded."""
         fmt = self.tools.fmt if self.tools is not None and self.tools.choice == "auto" else None
-        if params.skip_special_tokens and (fmt in SPECIAL_MARKERS or self.reasoning in ("mistral", "seed_oss")):
+        if params.skip_special_tokens and (fmt in SPECIAL_MARKERS or self.reasoning in ("mistral", "seed_oss", HARMONY)):
             return msgspec.structs.replace(params, skip_special_tokens=False)
         return params
 
     def stream(self, prompt_tail: str = "") -> "ToolCallStream":
         """The parser state of one output that follows a prompt ending in `prompt_tail`."""
         tools = self.tools.parser() if self.tools is not None else None
+        if self.reasoning == HARMONY:  # gpt-oss: its channels carry the reasoning, with or without tools
+            return ToolCallStream(ChatOutputParser(tools or HarmonyParser(), None),
+                                  include_reasoning=self.include_reasoning)
         reasoning = ReasoningParser.for_prompt(self.reasoning, prompt_tail) if self.reasoning else None
         forced = self.tools is not None and self.tools.choice == "named"
         return ToolCallStream(ChatOutputParser(tools, reasoning), forced=forced,
@@ -59,8 +64,8 @@ def output_plan(tool_plan: ToolPlan | None, reasoning: str | None, include_reaso
     parsed = tool_plan if tool_plan is not None and tool_plan.parses_calls else None
     if parsed is not None and parsed.constrains_output:
         reasoning = None
-    if reasoning is not None and reasoning not in REASONING_MARKERS:
-        raise ValueError(f"unknown reasoning parser {reasoning!r}; choose one of {sorted(REASONING_MARKERS)}")
+    if reasoning is not None and reasoning not in REASONING_FORMATS:
+        raise ValueError(f"unknown reasoning parser {reasoning!r}; choose one of {REASONING_FORMATS}")
     if parsed is None and reasoning is None:
         return None
     return OutputPlan(parsed, reasoning, include_reasoning)

@@ -23,9 +23,9 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from metrale.config import GENERATION_CONFIGS, EngineConfig
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
+from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
 from metrale.text.output_parsing import CHOOSABLE
-from metrale.text.reasoning import MARKERS as REASONING_MARKERS
 
 logger = logging.getLogger(__name__)
 DESCRIPTION = """Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
@@ -107,7 +107,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--tool-call-parser", default=None, choices=CHOOSABLE,
                       help="how the model writes tool calls (default: read from its chat template; \"generic\" "
                            "when it shows none)")
-    http.add_argument("--reasoning-parser", default=None, choices=(*sorted(REASONING_MARKERS), "none"),
+    http.add_argument("--reasoning-parser", default=None, choices=(*REASONING_FORMATS, "none"),
                       help="how the model marks its reasoning, split into reasoning_content (default: read "
                            "from its chat template; \"none\" leaves it in content)")
 

@@ -2,7 +2,7 @@
 
     think     Qwen3, QwQ, DeepSeek R1 / V3.1, SmolLM3, GLM, ...:  <think> reasoning </think> answer
     mistral   Magistral / Ministral reasoning:                   [THINK] reasoning [/THINK] answer
-    (gpt-oss's analysis channel is read by metrale.text.harmony, with its tool calls)
+    harmony   gpt-oss's analysis channel: read by metrale.text.harmony's parser, with its tool calls
 
 Where the output starts depends on the prompt: a template that opens the block itself (DeepSeek R1's
 "<think>\\n" generation prompt) makes the whole output reasoning until the end marker; one that closed
@@ -85,10 +85,15 @@ class ReasoningParser:
         return reasoning, content + rest
 
 
+HARMONY = "harmony"  # not a ReasoningParser format: the harmony tool-call parser splits it
+
+
 def detect_reasoning(chat_template: str | None) -> str | None:
-    """The reasoning format a chat template shows (None: none, or gpt-oss's channels, read with its tools)."""
-    if not chat_template or "<|channel|>" in chat_template:
+    """The reasoning format a chat template shows (MARKERS' names or "harmony"), or None."""
+    if not chat_template:
         return None
+    if "<|channel|>" in chat_template:
+        return HARMONY
     for fmt in ("seed_oss", "mistral", "think"):
         if MARKERS[fmt][0] in chat_template:
             return fmt

@@ -152,3 +152,15 @@ async def test_the_generic_format_takes_response_format_as_the_response_schema()
     assert json.loads(params.structured_outputs.json)["anyOf"][1]["properties"]["response"] == schema
     r = await call(app, "POST", CHAT, {"messages": MESSAGES, "tools": [WEATHER], "guided_regex": "a+"})
     assert r.status == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+async def test_gpt_oss_channels_are_split_without_tools():
+    words = ("<|channel|>analysis<|message|>", "Easy.", "<|end|><|start|>assistant<|channel|>final<|message|>", "4.")
+    engine = FakeEngine(words=words)
+    engine.reasoning_format = "harmony"
+    app = ServerApp(engine, manage_engine=False)
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": len(words)})
+    message = r.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Easy.", "4.")
+    (_, params), = engine.submitted
+    assert params.skip_special_tokens is False  # the channel markers are special tokens

@@ -55,7 +55,7 @@ TEMPLATES = {
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": ("deepseek", "think", 2),
     "deepseek-ai-DeepSeek-V3.1.jinja": ("deepseek", "think", 2),
     "LFM2.5-8B-A1B.jinja": ("pythonic", "think", 2),
-    "openai-gpt-oss-120b.jinja": ("harmony", None, 1),
+    "openai-gpt-oss-120b.jinja": ("harmony", "harmony", 1),
 }
 # templates with no tool format metrale reads: the server gives their models the generic format
 GENERIC = ["google-gemma-2-2b-it.jinja", "microsoft-Phi-3.5-mini-instruct.jinja", "GLM-4.6.jinja",
@@ -81,8 +81,9 @@ def model_side_text(template: ChatTemplate, calls: list[tuple[str, dict]], **kwa
 
 def output_parser(source: str, prompt: str) -> ChatOutputParser:
     reasoning = detect_reasoning(source)
+    read = reasoning is not None and reasoning != "harmony"  # gpt-oss's channels: read by its tool parser
     return ChatOutputParser(make_parser(detect_format(source) or "generic", TOOLS),
-                            ReasoningParser.for_prompt(reasoning, prompt[-300:]) if reasoning else None)
+                            ReasoningParser.for_prompt(reasoning, prompt[-300:]) if read else None)
 
 
 def parse_everywhere(source: str, prompt: str, text: str) -> ParsedOutput:
