@@ -9,6 +9,7 @@
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
     POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
+    POST /tokenize /detokenize   vLLM's token routes: see tokenize.py
     GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
 
 Hand-written rather than a framework: a dozen routes, msgspec bodies, and direct control of the
@@ -28,7 +29,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, ollama, responses, worker_api
+from metrale.server import anthropic, completions, ollama, responses, tokenize, worker_api
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
                                  send_error, send_json)
 from metrale.server.cors import CorsPolicy
@@ -154,6 +155,13 @@ class ServerApp:
             return await self._only(method, "GET", self._metrics(send))
         if path in worker_api.INFO_PATHS:
             return await self._only(method, "GET", self._worker_info(path, send))
+        if path in tokenize.PATHS:
+            self._authenticate(scope)
+            if method != "POST":
+                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
+            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            return await tokenize.handle(self.engine, self.model_name, path, body, send,
+                                         model_aliases=self.model_aliases)
         if ollama.serves(path):
             self._authenticate(scope)
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s) if method == "POST" else b""
@@ -238,8 +246,10 @@ class ServerApp:
         await send_json(send, 200, body)
 
     def _model_card(self) -> dict[str, Any]:
+        """vLLM's model card, with the other ids requests may use for the model (answered as it)."""
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",
-                "max_model_len": self.engine.max_model_len}
+                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len,
+                "aliases": list(self.model_aliases)}
 
     # ---- lifespan ----
 
