@@ -17,6 +17,7 @@ from metrale.speculative.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+GENERATION_CONFIGS = ("auto", "vllm")  # EngineConfig.generation_config
 MiB = 1 << 20
 _SCHEDULER_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
@@ -46,6 +47,8 @@ class EngineConfig:
         only the requests in flight: the child is restarted with the same config. `metrale serve` sets it;
         False (the default for an embedded engine) runs everything in this process.
     max_engine_restarts: deaths of the engine process survived within 10 minutes; one more is final.
+    generation_config: "auto" takes the model's sampling defaults (generation_config.json, a GGUF's
+        general.sampling.*) for what a server request leaves unset; "vllm" ignores them (vLLM's flag).
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
         max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
         model's context length, capped at 8192, when the engine starts.
@@ -60,6 +63,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     engine_process: bool = False
     max_engine_restarts: int = 5
+    generation_config: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -101,5 +105,8 @@ class EngineConfig:
         restarts = self.max_engine_restarts
         if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
             raise ValueError(f"EngineConfig.max_engine_restarts must be an int >= 0, got {restarts!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"EngineConfig.generation_config must be one of {GENERATION_CONFIGS}, "
+                             f"got {self.generation_config!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,9 @@ from metrale.speculative.speculator import Speculator
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
-from metrale.text.tool_parsers import detect_format
+from metrale.loading.generation_defaults import read_sampling_defaults
+from metrale.text.output_parsing import detect_format
+from metrale.text.reasoning import detect_reasoning
 
 logger = logging.getLogger(__name__)
 WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
@@ -77,6 +80,7 @@ class AsyncEngine:
         self._streams: RequestStreams | None = None  # the text front-end of every open request
         self._facts: ModelFacts | None = None  # set at start
         self._inputs: InputProcessor | None = None
+        self._sampling_defaults: dict[str, Any] = {}
         self._outputs: OutputProcessor | None = None
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
@@ -117,6 +121,8 @@ class AsyncEngine:
             raise
         self._client, self._facts = client, facts
         self._init_text(tokenizer, facts)
+        # only the model file's header is read (generation_config.json, a GGUF's general.sampling.*)
+        self._sampling_defaults = await asyncio.to_thread(self._read_sampling_defaults, Path(facts.model_path))
         self._info = EngineInfo(model_path=facts.model_path, model_type=facts.architecture, dtype=facts.dtype_name,
                                 kv_block_size=self.config.block_size)
         self._streams = RequestStreams(client.finish, self._failpoints)
@@ -357,6 +363,28 @@ class AsyncEngine:
     def tool_call_format(self) -> str | None:
         """How the model writes tool calls (from its chat template), or None; known once started."""
         return detect_format(self._inputs.chat_template.source) if self._inputs is not None else None
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults for what a request leaves unset ({} with generation_config "vllm")."""
+        return dict(self._sampling_defaults)
+
+    def _read_sampling_defaults(self, path: Path) -> dict[str, Any]:
+        if self.config.generation_config == "vllm":
+            return {}
+        try:
+            defaults = read_sampling_defaults(path)
+        except (ValueError, OSError, struct.error) as error:  # the model loaded: its defaults never stop a start
+            logger.warning("the model's sampling defaults could not be read from %s: %s", path, error)
+            return {}
+        if defaults:
+            logger.info("the model's sampling defaults (for requests that leave them unset): %s", defaults)
+        return defaults
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning (from its chat template), or None; known once started."""
+        return detect_reasoning(self._inputs.chat_template.source) if self._inputs is not None else None
 
     @property
     def tokenizer(self) -> Tokenizer:
