@@ -23,6 +23,7 @@ from typing import Sequence
 
 from kernels.backend import Backends, select_backends
 from kernels.runtime import mx
+from kernels.settings import KernelSettings
 from kvcache.storage import PagedKVCache
 from metrale.config import EngineConfig
 from metrale.distributed.group import TensorParallelGroup
@@ -159,7 +160,7 @@ class ModelRunner:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig, failpoints: Failpoints = NO_FAILPOINTS,
-                    group: TensorParallelGroup | None = None) -> "ModelRunner":
+                    group: TensorParallelGroup | None = None, *, settings: KernelSettings | None = None) -> "ModelRunner":
         """Allocate the KV pools from the budget and choose the kernels for a loaded model (and load
         the draft model, whose pools share the budget, when speculation uses one). With a
         tensor-parallel `group` the model holds this rank's share: its pools hold its kv heads only,
@@ -182,7 +183,7 @@ class ModelRunner:
             raise ValueError(f"KV budget of {config.kv_cache_bytes} bytes holds no block of {per_block} bytes")
         kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size, kv_heads, mc.head_dim,
                                 loaded.dtype)
-        backends = select_backends()
+        backends = select_backends(settings)  # None: the settings in force (kernels.settings.current)
         logger.info("%s, %s; %s", loaded.path.name, loaded.describe_quantization(), backends.describe())
         drafter = None
         if draft is not None:
