@@ -131,7 +131,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     except APIError:
         raise
     except Exception as error:
-        api_error = from_engine_error(error, protocol.PARAM_NAMES)
+        api_error = from_engine_error(error, protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS)
         if api_error is None:
             raise
         raise api_error from error
