@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 BACKEND_CHOICES = ("auto", "kernel", "reference")
 ACTIVATION_PRECISIONS = {"int16": 16, "int8": 8}
+DEFAULT_SPIN_US = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +32,11 @@ class KernelSettings:
     activations: str = "auto"  # METRALE_KERNELS: gated activations, fused RMSNorm and RoPE
     matmul: str = "auto"  # METRALE_MATMUL: quantized linear layers kept quantized (CPU kernels)
     qmm_activations: str = "int16"  # METRALE_QMM_ACTIVATIONS: int16 | int8 activations of those kernels
-    cpu_isa: str = "auto"  # METRALE_CPU_ISA: the kernels' instruction set (checked by the C++ extension at load)
+    # process-wide, applied once (kernels/ext.py when the extension loads, kernels/runtime.py before mlx):
+    cpu_isa: str = "auto"  # METRALE_CPU_ISA: the kernels' instruction set (the extension checks the name)
     openblas: str | None = None  # METRALE_OPENBLAS: the library's path, "none", or None to search
-    attention_threads: int | None = None  # METRALE_ATTENTION_THREADS: kernel threads (C++, at first use)
-    spin_us: int | None = None  # METRALE_SPIN_US: how long an idle kernel thread spins (C++, default 50)
+    attention_threads: int | None = None  # METRALE_ATTENTION_THREADS: kernel threads (None: one per CPU)
+    spin_us: int | None = None  # METRALE_SPIN_US: how long an idle kernel thread spins (None: DEFAULT_SPIN_US)
 
     def __post_init__(self) -> None:
         for variable, value in (("METRALE_ATTENTION", self.attention), ("METRALE_KERNELS", self.activations),
@@ -65,8 +67,8 @@ class KernelSettings:
         return cls(attention=text("METRALE_ATTENTION", "auto"), activations=text("METRALE_KERNELS", "auto"),
                    matmul=text("METRALE_MATMUL", "auto"), qmm_activations=text("METRALE_QMM_ACTIVATIONS", "int16"),
                    cpu_isa=text("METRALE_CPU_ISA", "auto"), openblas=openblas_choice(env),
-                   attention_threads=_integer(env, "METRALE_ATTENTION_THREADS"),
-                   spin_us=_integer(env, "METRALE_SPIN_US"))
+                   attention_threads=environ_number(env, "METRALE_ATTENTION_THREADS"),
+                   spin_us=environ_number(env, "METRALE_SPIN_US"))
 
 
 def openblas_choice(environ: Mapping[str, str] | None = None) -> str | None:
@@ -74,14 +76,15 @@ def openblas_choice(environ: Mapping[str, str] | None = None) -> str | None:
     return (os.environ if environ is None else environ).get("METRALE_OPENBLAS") or None
 
 
-def _integer(env: Mapping[str, str], variable: str) -> int | None:
+def environ_number(env: Mapping[str, str], variable: str, kind: type[int] | type[float] = int) -> int | float | None:
+    """`variable` of `env` as an int (or float), None when unset or empty; ValueError naming it otherwise."""
     raw = env.get(variable)
     if not raw:
         return None
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"{variable}={raw!r}: expected an integer") from None
+        raise ValueError(f"{variable}={raw!r}: expected {'an integer' if kind is int else 'a number'}") from None
 
 
 _applied: contextvars.ContextVar[KernelSettings | None] = contextvars.ContextVar("kernel_settings", default=None)

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kernels.settings import KernelSettings
+from kernels.settings import KernelSettings, environ_number
 from metrale.config import EngineConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -32,22 +32,22 @@ class Variable:
 
 
 ENVIRONMENT = (
-    Variable("METRALE_ATTENTION", "kernels.attention", "auto", "auto | kernel | reference: paged attention "
+    Variable("METRALE_ATTENTION", "kernels.attention", "auto", "auto, kernel or reference: paged attention "
              "(decode rows, prefill softmax, K/V writes) through the CPU kernels or plain MLX"),
-    Variable("METRALE_KERNELS", "kernels.activations", "auto", "auto | kernel | reference: gated activations "
+    Variable("METRALE_KERNELS", "kernels.activations", "auto", "auto, kernel or reference: gated activations "
              "(SwiGLU, GeGLU), fused RMSNorm and RoPE"),
-    Variable("METRALE_MATMUL", "kernels.matmul", "auto", "auto | kernel | reference: quantized linear layers "
+    Variable("METRALE_MATMUL", "kernels.matmul", "auto", "auto, kernel or reference: quantized linear layers "
              "through the CPU kernels (reference: MLX's quantized_matmul; on CPU the loader then dequantizes)"),
-    Variable("METRALE_QMM_ACTIVATIONS", "kernels.qmm_activations", "int16", "int16 | int8: activation precision "
+    Variable("METRALE_QMM_ACTIVATIONS", "kernels.qmm_activations", "int16", "int16 or int8: activation precision "
              "of the quantized matmul kernels (int8 is faster and flips some greedy tokens)"),
-    Variable("METRALE_CPU_ISA", "kernels.cpu_isa", "auto", "auto | scalar | avx2 | avx512: force the kernels' "
-             "instruction set (a set the CPU lacks refuses the kernels, with the reason)"),
+    Variable("METRALE_CPU_ISA", "kernels.cpu_isa", "auto", "auto, scalar, avx2 or avx512: force the kernels' "
+             "instruction set (a set the CPU lacks refuses the kernels, with the reason); process-wide"),
     Variable("METRALE_OPENBLAS", "kernels.openblas", "(search)", "path of libopenblas.so.0 to preload before "
-             "mlx, or none; read when mlx is first imported"),
+             "mlx, or none; process-wide, read when mlx is first imported"),
     Variable("METRALE_ATTENTION_THREADS", "kernels.attention_threads", "(CPUs)", "threads of the CPU kernels; "
-             "read by the C++ extension when its pool starts"),
+             "process-wide, applied when the extension loads"),
     Variable("METRALE_SPIN_US", "kernels.spin_us", "50", "microseconds an idle kernel thread spins before it "
-             "sleeps (0: never); read by the C++ extension"),
+             "sleeps (0: never); process-wide, applied when the extension loads"),
     Variable("METRALE_FAILPOINTS", "failpoints", "(none)", "faults to inject, e.g. detokenize=0.01,execute=@id "
              "(metrale/failpoints.py); EngineConfig.failpoints wins"),
     Variable("METRALE_TP_STEP_TIMEOUT_S", "tp_step_timeout_s", "120", "seconds a tensor-parallel step may run "
@@ -83,8 +83,9 @@ class RuntimeSettings:
         env = os.environ if environ is None else environ
         failpoints = config.failpoints if config is not None and config.failpoints is not None \
             else env.get("METRALE_FAILPOINTS", "")
+        timeout_s = environ_number(env, "METRALE_TP_STEP_TIMEOUT_S", float)
         return cls(kernels=KernelSettings.from_environ(env), failpoints=failpoints,
-                   tp_step_timeout_s=_seconds(env, "METRALE_TP_STEP_TIMEOUT_S", 120.0),
+                   tp_step_timeout_s=120.0 if timeout_s is None else timeout_s,
                    log_level=(env.get("METRALE_LOG_LEVEL") or "INFO").upper(),
                    api_key=api_key or env.get("METRALE_API_KEY") or None)
 
@@ -92,12 +93,3 @@ class RuntimeSettings:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-
-def _seconds(env: Mapping[str, str], variable: str, default: float) -> float:
-    raw = env.get(variable)
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{variable}={raw!r}: expected a number of seconds") from None
