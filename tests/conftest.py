@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_deselected(items):
     for item in items:
         marks = [name for name in LANE_MARKERS if item.get_closest_marker(name)]
-        _deselected[" + ".join(marks) or "other"] += 1
+        _deselected[" + ".join(marks) or "without a lane marker"] += 1
 
 
 def pytest_terminal_summary(terminalreporter):
