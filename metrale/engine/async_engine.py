@@ -31,7 +31,7 @@ from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.engine.submission import Submission, counting_rejections
 from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError
 from metrale.failpoints import Failpoints
-from metrale.outputs import CompletionResult, EngineInfo, EngineStats
+from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
 from metrale.sampling_params import SamplingParams
 from metrale.settings import RuntimeSettings
 from metrale.speculative.proposers import HostProposer
@@ -61,7 +61,7 @@ class AsyncEngine:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, model_name=default_model_label(self.config.model))
         self._runner_factory = runner_factory if runner_factory is not None else ModelRunner.from_loaded
-        self._state = "stopped"  # stopped -> loading -> serving -> draining -> stopped
+        self._state = EngineState.STOPPED  # stopped -> loading -> serving -> draining -> stopped
         self._mlx: MLXThread | None = None
         self._loaded: Loaded | None = None  # the runner, and rank 0's group under tensor parallelism
         self._core: EngineCore | None = None
@@ -82,9 +82,9 @@ class AsyncEngine:
 
     async def start(self) -> "AsyncEngine":
         """Load the model on the MLX thread and start the engine loop."""
-        if self._state != "stopped":
+        if self._state is not EngineState.STOPPED:
             raise RuntimeError(f"engine already {self._state}")
-        self._state = "loading"
+        self._state = EngineState.LOADING
         self._loop = asyncio.get_running_loop()
         self._mlx = MLXThread()
         try:
@@ -92,7 +92,7 @@ class AsyncEngine:
                                                self._runner_factory, self._on_rank_failure)
         except BaseException:
             self._mlx.shutdown()
-            self._state = "stopped"
+            self._state = EngineState.STOPPED
             raise
         runner = loaded.runner
         self._max_model_len = loaded.max_model_len(self.config)
@@ -110,7 +110,7 @@ class AsyncEngine:
                               tensor_parallel_size=str(self.config.tensor_parallel_size))
         self._loop_task = asyncio.create_task(self._core.run_forever(), name="metrale-engine-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
-        self._state = "serving"
+        self._state = EngineState.SERVING
         logger.info("engine serving %s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
                     runner.kv_cache.num_blocks, self.config.block_size, self._max_model_len)
         return self
@@ -137,7 +137,7 @@ class AsyncEngine:
         """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
         if self._core is None:
             return
-        self._state = "draining"
+        self._state = EngineState.DRAINING
         deadline = time.monotonic() + timeout_s
         while self._core.num_unfinished and time.monotonic() < deadline and self._core.dead is None:
             await asyncio.sleep(0.02)
@@ -147,7 +147,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Abort what is left, stop the loop and the MLX thread. Leaves nothing running."""
-        if self._state == "stopped":
+        if self._state is EngineState.STOPPED:
             return
         if self._core is not None:
             self._core.abort_all()  # after the engine died this finds nothing left: die() ended everyone
@@ -164,7 +164,7 @@ class AsyncEngine:
             self._submission.close()
         if self._loaded is not None:
             self._loaded.runner.close()
-        self._state = "stopped"
+        self._state = EngineState.STOPPED
 
     async def __aenter__(self) -> "AsyncEngine":
         return await self.start()
@@ -241,9 +241,9 @@ class AsyncEngine:
             self._core.abort_all()
 
     def _accepting(self) -> Submission:
-        if self._state == "draining":
+        if self._state is EngineState.DRAINING:
             raise EngineDrainingError("engine is draining for shutdown; not accepting requests")
-        if self._state != "serving" or self._submission is None or self._core is None:
+        if self._state is not EngineState.SERVING or self._submission is None or self._core is None:
             raise EngineNotRunningError(f"engine is {self._state}; call start() first")
         if self._core.dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._core.dead!r}")
@@ -302,13 +302,13 @@ class AsyncEngine:
     def metrics_exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def health(self) -> str:
+    def health(self) -> EngineState:
         """"loading" | "serving" | "draining" | "unhealthy" | "stopped". Unhealthy: the engine died, or
         a step has run far past its expected time (the watchdog; it recovers if the step ends)."""
-        if self._state == "stopped":
-            return "stopped"
+        if self._state is EngineState.STOPPED:
+            return EngineState.STOPPED
         if self._core is not None and (self._core.dead is not None or self._step_stuck()):
-            return "unhealthy"
+            return EngineState.UNHEALTHY
         return self._state
 
     def _step_stuck(self) -> bool:

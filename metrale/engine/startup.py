@@ -15,11 +15,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kernels.settings import applied
 from metrale.config import EngineConfig
-from metrale.distributed.group import TensorParallelGroup
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner, weights_dtype
 from metrale.errors import TensorParallelError
@@ -28,6 +27,9 @@ from metrale.loading import LoadedModel, load_model
 from metrale.settings import RuntimeSettings
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
+
+if TYPE_CHECKING:  # imported when tensor parallelism starts: a one-rank engine never loads metrale.distributed
+    from metrale.distributed.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_model_len is None
@@ -71,6 +73,8 @@ async def load(config: EngineConfig, settings: RuntimeSettings, failpoints: Fail
         loaded = await _on_mlx(mlx, settings, load_model, config.model, dtype=weights_dtype(config.dtype))
         runner = await _on_mlx(mlx, settings, runner_factory, loaded, config, failpoints, settings=settings.kernels)
         return Loaded(loaded, runner, None)
+    from metrale.distributed.group import TensorParallelGroup
+
     loop = asyncio.get_running_loop()
     group = TensorParallelGroup(config.tensor_parallel_size, step_timeout=settings.tp_step_timeout_s,
                                 on_failure=lambda error: loop.call_soon_threadsafe(on_rank_failure, error))
