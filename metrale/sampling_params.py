@@ -2,8 +2,8 @@
 
 Invalid values raise InvalidParamsError (a ValueError) before anything is queued, naming the parameter in
 `field`; the message starts with the field name and states the allowed range, e.g. ``temperature must be
-a number in [0, 2], got 3.5``. Decoding from JSON or a dict (`from_dict`, `from_json`) runs the same checks and raises msgspec's
-ValidationError, which is a ValueError too.
+a number in [0, 2], got 3.5``. Decoding from JSON or a dict (`from_dict`, `from_json`) runs the same
+checks and raises msgspec's ValidationError, which is a ValueError too.
 
 Ranges follow OpenAI where OpenAI defines the knob (temperature [0, 2], presence/frequency penalty
 [-2, 2], top_logprobs 0..20, logit_bias -100..100) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1],
@@ -263,8 +263,8 @@ def _normalize_token_ids(ids: object, name: str = "stop_token_ids") -> tuple[int
 
 def _normalize_sequences(sequences: object) -> tuple[tuple[int, ...], ...]:
     if not isinstance(sequences, (list, tuple)):
-        raise InvalidParamsError(f"bad_words_token_ids must be a list of token id lists, got {type(sequences).__name__}",
-                                 field="bad_words_token_ids")
+        raise InvalidParamsError("bad_words_token_ids must be a list of token id lists, got "
+                                 f"{type(sequences).__name__}", field="bad_words_token_ids")
     out = []
     for ids in sequences:
         ids = _normalize_token_ids(ids, "bad_words_token_ids")
@@ -279,8 +279,8 @@ def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        raise InvalidParamsError(f"logit_bias must be an object mapping token ids to numbers, got {type(bias).__name__}",
-                                 field="logit_bias")
+        raise InvalidParamsError("logit_bias must be an object mapping token ids to numbers, got "
+                                 f"{type(bias).__name__}", field="logit_bias")
     for token_id, value in bias.items():
         if not _is_int(token_id) or token_id < 0:
             raise InvalidParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}",

@@ -12,7 +12,6 @@ waits.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import time
@@ -20,7 +19,6 @@ from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
@@ -38,7 +36,6 @@ from metrale.speculative.proposers import HostProposer
 from metrale.speculative.speculator import Speculator
 from metrale.text.tokenizer import Tokenizer
 from metrale.text.tool_parsers import detect_format
-from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
@@ -99,7 +96,7 @@ class AsyncEngine:
         self._info = EngineInfo(model_path=str(loaded.model.path), model_type=loaded.model.config.architecture,
                                 dtype=runner.dtype_name, kv_block_size=self.config.block_size)
         self.metrics.set_max_model_len(self._max_model_len)
-        self._core = EngineCore(self._build_scheduler(runner), runner, self._mlx, self.metrics, self._failpoints,
+        self._core = EngineCore(loaded.scheduler(self.config), runner, self._mlx, self.metrics, self._failpoints,
                                 self._speculator)
         text = TextFrontEnd.for_model(loaded.model, self._max_model_len, self._failpoints)
         self._submission = Submission(text, self._core, runner, self._max_model_len, self.abort)
@@ -122,12 +119,6 @@ class AsyncEngine:
             self._core.die(error)
         if self._loop_task is not None:
             self._loop_task.cancel()
-
-    def _build_scheduler(self, runner: ModelRunner) -> Scheduler:
-        scheduler_config = dataclasses.replace(self.config.scheduler, max_model_len=self._max_model_len)
-        kv = KVCacheManager(num_blocks=runner.kv_cache.num_blocks, block_size=scheduler_config.block_size,
-                            enable_prefix_caching=scheduler_config.enable_prefix_caching)
-        return Scheduler(scheduler_config, kv)
 
     def _on_loop_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:

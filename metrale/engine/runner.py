@@ -147,7 +147,8 @@ class ModelRunner:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig, failpoints: Failpoints = NO_FAILPOINTS,
-                    group: TensorParallelGroup | None = None, *, settings: KernelSettings | None = None) -> "ModelRunner":
+                    group: TensorParallelGroup | None = None, *,
+                    settings: KernelSettings | None = None) -> "ModelRunner":
         """Allocate the KV pools from the budget and choose the kernels for a loaded model (and load
         the draft model, whose pools share the budget, when speculation uses one). With a
         tensor-parallel `group` the model holds this rank's share: its pools hold its kv heads only,

@@ -11,6 +11,7 @@ model's layers, its KV pools and the kernels decide from the engine's settings, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kernels.settings import applied
+from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner, weights_dtype
@@ -27,6 +29,7 @@ from metrale.loading import LoadedModel, load_model
 from metrale.settings import RuntimeSettings
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
+from scheduler import Scheduler
 
 if TYPE_CHECKING:  # imported when tensor parallelism starts: a one-rank engine never loads metrale.distributed
     from metrale.distributed.group import TensorParallelGroup
@@ -63,6 +66,13 @@ class Loaded:
     def max_model_len(self, config: EngineConfig) -> int:
         """config.max_model_len, else the model's context length capped at DEFAULT_MAX_MODEL_LEN."""
         return config.max_model_len or min(self.model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+    def scheduler(self, config: EngineConfig) -> Scheduler:
+        """A scheduler over the runner's KV pool, with the resolved max_model_len."""
+        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len(config))
+        kv = KVCacheManager(num_blocks=self.runner.kv_cache.num_blocks, block_size=scheduler_config.block_size,
+                            enable_prefix_caching=scheduler_config.enable_prefix_caching)
+        return Scheduler(scheduler_config, kv)
 
 
 async def load(config: EngineConfig, settings: RuntimeSettings, failpoints: Failpoints, mlx: MLXThread,
