@@ -47,6 +47,19 @@ class RunnerFactory(Protocol):
                  group: TensorParallelGroup | None = None, *, settings: Any = None) -> ModelRunner: ...
 
 
+class RunnerKeeper:
+    """A RunnerFactory that keeps the runner it built (`runner`), for benchmarks and tools that time or read the
+    runner of an engine they start (`AsyncEngine(config, runner_factory=keeper)`), without reaching into it."""
+
+    def __init__(self, factory: RunnerFactory | None = None) -> None:
+        self._factory = factory if factory is not None else ModelRunner.from_loaded
+        self.runner: ModelRunner | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ModelRunner:
+        self.runner = self._factory(*args, **kwargs)
+        return self.runner
+
+
 def default_model_label(model: str | None) -> str:
     """The model_name metric label, known before loading: the file or folder name."""
     if model is None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from metrale.engine.runner import ModelRunner
+from metrale.engine.startup import RunnerKeeper
 
 def assert_clean(engine) -> None:
     """The KV integrity check: nothing running or waiting, every block free, accounting consistent."""
@@ -51,22 +52,12 @@ class HookedRunner(ModelRunner):
         return super().execute(step)
 
 
-class Runners:
-    """A runner factory for AsyncEngine / LLM(runner_factory=...) that keeps the HookedRunner it built,
-    so that tests reach the runner here and never through the engine."""
+class Runners(RunnerKeeper):
+    """A runner factory for AsyncEngine / LLM(runner_factory=...) that builds HookedRunners and keeps the last
+    one (`runner`), so that tests reach the runner here and never through the engine."""
 
     def __init__(self) -> None:
-        self.built: list[HookedRunner] = []
-
-    def __call__(self, *args, **kwargs) -> HookedRunner:
-        runner = HookedRunner.from_loaded(*args, **kwargs)
-        self.built.append(runner)
-        return runner
-
-    @property
-    def runner(self) -> HookedRunner:
-        """The runner of the engine started last."""
-        return self.built[-1]
+        super().__init__(HookedRunner.from_loaded)
 
     @contextlib.contextmanager
     def hooked(self, hook: Callable[[object], None]) -> Iterator[HookedRunner]:
