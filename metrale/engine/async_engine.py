@@ -24,9 +24,10 @@ from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner
-from metrale.engine.startup import Loaded, RunnerFactory, TextFrontEnd, default_model_label, load
+from metrale.engine.startup import (Loaded, RunnerFactory, TextFrontEnd, default_model_label, load,
+                                    read_model_sampling_defaults)
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
-from metrale.engine.submission import Submission, counting_rejections
+from metrale.engine.submission import Submission, collect_result, counting_rejections
 from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError
 from metrale.failpoints import Failpoints
 from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
@@ -35,7 +36,8 @@ from metrale.settings import RuntimeSettings
 from metrale.speculative.proposers import HostProposer
 from metrale.speculative.speculator import Speculator
 from metrale.text.tokenizer import Tokenizer
-from metrale.text.tool_parsers import detect_format
+from metrale.text.output_parsing import detect_format
+from metrale.text.reasoning import detect_reasoning
 
 logger = logging.getLogger(__name__)
 WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
@@ -63,6 +65,7 @@ class AsyncEngine:
         self._loaded: Loaded | None = None  # the runner, and rank 0's group under tensor parallelism
         self._core: EngineCore | None = None
         self._submission: Submission | None = None
+        self._sampling_defaults: dict[str, Any] = {}
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
         self._loop_task: asyncio.Task | None = None
@@ -92,6 +95,7 @@ class AsyncEngine:
             self._state = EngineState.STOPPED
             raise
         runner = loaded.runner
+        self._sampling_defaults = await self._mlx.run(read_model_sampling_defaults, self.config, loaded.model.path)
         self._max_model_len = loaded.max_model_len(self.config)
         self._info = EngineInfo(model_path=str(loaded.model.path), model_type=loaded.model.config.architecture,
                                 dtype=runner.dtype_name, kv_block_size=self.config.block_size)
@@ -254,8 +258,17 @@ class AsyncEngine:
     @property
     def tool_call_format(self) -> str | None:
         """How the model writes tool calls (from its chat template), or None; known once started."""
-        inputs = self._submission.inputs if self._submission is not None else None
-        return detect_format(inputs.chat_template.source) if inputs is not None else None
+        return detect_format(self._submission.inputs.chat_template.source) if self._submission else None
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning (from its chat template), or None; known once started."""
+        return detect_reasoning(self._submission.inputs.chat_template.source) if self._submission else None
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults for what a request leaves unset ({} with generation_config "vllm")."""
+        return dict(self._sampling_defaults)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -338,12 +351,4 @@ class AsyncEngine:
         if self._core is None:
             raise EngineNotRunningError("engine not started")
         self._core.scheduler.check_integrity()
-
-
-async def collect_result(stream: RequestStream) -> CompletionResult:
-    """Read a stream to its end into one CompletionResult; leaving early (an error, a cancel) aborts
-    the request."""
-    async with stream:
-        outputs = [out async for out in stream]
-    return CompletionResult.from_outputs(stream.request_id, outputs)
 

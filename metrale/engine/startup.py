@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from metrale.engine.runner import ModelRunner, weights_dtype
 from metrale.errors import TensorParallelError
 from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
+from metrale.loading.generation_defaults import read_sampling_defaults
 from metrale.settings import RuntimeSettings
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
@@ -132,6 +134,21 @@ async def _on_mlx(mlx: MLXThread, runtime: RuntimeSettings, fn: Callable[..., T]
             return fn(*args, **kwargs)
 
     return await mlx.run(build)
+
+
+def read_model_sampling_defaults(config: EngineConfig, path: Path) -> dict[str, Any]:
+    """The model's own sampling defaults, for what a request leaves unset ({} with generation_config "vllm",
+    or when they cannot be read: the model loaded, its defaults never stop a start)."""
+    if config.generation_config == "vllm":
+        return {}
+    try:
+        defaults = read_sampling_defaults(path)
+    except (ValueError, OSError, struct.error) as error:
+        logger.warning("the model's sampling defaults could not be read from %s: %s", path, error)
+        return {}
+    if defaults:
+        logger.info("the model's sampling defaults (for requests that leave them unset): %s", defaults)
+    return defaults
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from metrale.engine.startup import TextFrontEnd
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.errors import (EngineUnavailableError, PromptTooLongError, RequestRejectedError,
                             StructuredOutputUnavailableError)
+from metrale.outputs import CompletionResult
 from metrale.sampling.guided import GrammarCompiler, require_llguidance
 from metrale.sampling_params import SamplingParams
 
@@ -135,6 +136,14 @@ class Submission:
             raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output in "
                                      f"max_model_len ({self._max_model_len})")
         return max(room, params.min_tokens)
+
+
+async def collect_result(stream: RequestStream) -> CompletionResult:
+    """Read a stream to its end into one CompletionResult; leaving early (an error, a cancel) aborts
+    the request."""
+    async with stream:
+        outputs = [out async for out in stream]
+    return CompletionResult.from_outputs(stream.request_id, outputs)
 
 
 def _abort_channel(abort: Abort) -> Callable[[OutputChannel], bool]:
