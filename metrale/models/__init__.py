@@ -22,6 +22,8 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "qwen3": "metrale.models.qwen3:Qwen3ForCausalLM",
     "gemma3": "metrale.models.gemma3:Gemma3ForCausalLM",
     "gemma3_text": "metrale.models.gemma3:Gemma3ForCausalLM",
+    "qwen3_moe": "metrale.models.moe:Qwen3MoeForCausalLM",
+    "mixtral": "metrale.models.moe:MixtralForCausalLM",
 }
 
 __all__ = ["MODEL_ARCHITECTURES", "ModelConfig", "RopeScaling", "get_model_class", "supported_architectures"]
