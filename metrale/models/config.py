@@ -26,6 +26,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 _HF_DEFAULTS["gemma3"] = _HF_DEFAULTS["gemma3_text"]
+# Gemma2Config: even layers slide (Hugging Face's layer_types), GeGLU
+_HF_DEFAULTS["gemma2"] = {"sliding_window_pattern": 2, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +281,12 @@ def _hf_rope(config: Mapping[str, Any]) -> dict[str, Any]:
         rope = dict(rope["full_attention"])
     theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
     scaling = rope if rope else config.get("rope_scaling")
-    return {"rope_theta": theta, "rope_scaling": RopeScaling.from_hf_dict(scaling), "rope_local_theta": local}
+    fields = {"rope_theta": theta, "rope_scaling": RopeScaling.from_hf_dict(scaling), "rope_local_theta": local}
+    beta = (scaling or {}).get("llama_4_scaling_beta")
+    if beta:  # Ministral 3: queries scaled by position (ModelConfig.attn_temperature_scale)
+        fields.update(attn_temperature_scale=float(beta),
+                      attn_temperature_length=int(scaling["original_max_position_embeddings"]))
+    return fields
 
 
 def _hf_windows(config: Mapping[str, Any]) -> dict[str, Any]:
