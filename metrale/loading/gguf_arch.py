@@ -110,7 +110,7 @@ def _rope_scaling(arch: str, get: Any) -> RopeScaling | None:
             "yarn", factor=factor, original_max_position_embeddings=int(original),
             beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
             beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-            mscale_all_dim=float(get("rope.scaling.yarn_log_mul", 0.0)),
+            mscale_all_dim=float(get("rope.scaling.yarn_log_multiplier", 0.0)),
         )
     raise ValueError(f"GGUF rope scaling {kind!r} is not supported; supported: none, linear, yarn "
                      "(llama3 comes as rope_freqs)")
