@@ -3,7 +3,8 @@ each family, and how metrale reads it back into the Hugging Face layout its mode
 
     general.architecture   model class        what the converter changed, undone here
     llama                  llama / mixtral    q/k rows permuted for interleaved RoPE; experts stacked
-                                              (ffn_*_exps, Mixtral) with llama.expert_count
+                                              (ffn_*_exps, Mixtral) with llama.expert_count, or one
+                                              tensor each (ffn_gate.E, early Mixtral files)
     mistral3               ministral3         as llama; yarn RoPE, attention temperature (llama 4 beta)
     qwen2                  qwen2              nothing (q/k/v biases)
     qwen3                  qwen3              nothing (attn_q_norm / attn_k_norm)
@@ -28,7 +29,7 @@ from typing import Any
 from kernels.runtime import mx
 import numpy as np
 
-from metrale.loading.layouts import split_fused
+from metrale.loading.layouts import split_fused, stack_experts
 from metrale.models import ModelConfig, RopeScaling
 
 __all__ = [
@@ -50,6 +51,8 @@ _GEMMA_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
+# early Mixtral GGUFs: one tensor per expert (llama.cpp's LLM_TENSOR_FFN_*_EXP, still read)
+_EXPERT_NAME = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.(weight|scales|biases)$")
 # tensors that are metadata, not parameters: Llama 3.1's rope divisors (read by load_gguf)
 _DROPPED = ("rope_freqs.weight",)
 
@@ -241,6 +244,11 @@ def gguf_to_hf_weights(weights: Mapping[str, mx.array], config: ModelConfig,
     for name, array in weights.items():
         if name in _DROPPED:
             continue
+        expert = _EXPERT_NAME.match(name)
+        if expert is not None:
+            layer, proj, index, part = expert.groups()
+            out[f"model.layers.{layer}.mlp.experts.{index}.{proj}_proj.{part}"] = array
+            continue
         match = _TENSOR_NAME.match(name)
         layer, base, part = match.groups() if match else (None, None, None)
         table = _GLOBAL_NAMES if layer is None else family.layer_names
@@ -259,4 +267,4 @@ def gguf_to_hf_weights(weights: Mapping[str, mx.array], config: ModelConfig,
         pieces = split_fused(target, array, config) or {target: array}
         for piece, value in pieces.items():
             out[f"{piece}.{part}"] = value
-    return out
+    return stack_experts(out, config.num_experts) if config.num_experts else out

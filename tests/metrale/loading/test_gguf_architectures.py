@@ -148,5 +148,23 @@ def test_unexpected_tensor_names_the_architecture(pairs, tmp_path):
         gguf_to_hf_weights(raw, config, metadata)
 
 
+def test_early_mixtral_files_with_one_tensor_per_expert(pairs, tmp_path):
+    """Mixtral GGUFs from before stacked experts name them blk.N.ffn_gate.E: the same model loads."""
+    _, path = pairs["mixtral"]
+    raw, metadata = mx.load(str(path), return_metadata=True)
+    split = {}
+    for name, array in raw.items():
+        if "_exps." in name:
+            base, part = name.rsplit(".", 1)
+            for e in range(array.shape[0]):
+                split[f"{base.removesuffix('_exps')}.{e}.{part}"] = array[e]
+        else:
+            split[name] = array
+    mx.save_gguf(str(tmp_path / "early.gguf"), split, metadata)
+    early, stacked = load_gguf(tmp_path / "early.gguf", dtype=mx.float32), load_gguf(path, dtype=mx.float32)
+    for (name, a), (_, b) in zip(tree_flatten(early.model.parameters()), tree_flatten(stacked.model.parameters())):
+        assert mx.array_equal(a, b).item(), name
+
+
 def test_helpers_cover_every_family():
     assert {v[0] for v in VARIANTS.values()} <= set(ARCH_CONFIGS)
