@@ -18,7 +18,7 @@ from kernels.moe import QuantizedSwitchGLUCPU, has_moe_kernels  # noqa: E402
 from metrale.loading import load_model  # noqa: E402
 from metrale.loading.gguf import load_gguf  # noqa: E402
 from metrale.models import ModelConfig  # noqa: E402
-from metrale.models.moe import SparseMoeBlock, route  # noqa: E402
+from metrale.models.moe import QuantizedSwitchLinear, SparseMoeBlock, route  # noqa: E402
 
 needs_moe_kernels = pytest.mark.skipif(not has_moe_kernels(), reason="kernels not built: python -m kernels.build")
 
@@ -107,3 +107,19 @@ def test_float_gguf_and_quantized_files_route_the_same_tokens(moe_ggufs):
     a, _ = route(f32.gate(x), 2, True)
     b, _ = route(q8.gate(x), 2, True)
     assert mx.array_equal(mx.sort(a, axis=-1), mx.sort(b, axis=-1)).item()
+
+
+@needs_moe_kernels
+def test_plain_mlx_quantized_experts_match_the_kernels(moe_ggufs, monkeypatch):
+    """The path other backends take (experts kept quantized, mx.gather_qmm; forced here on CPU with
+    METRALE_MATMUL=reference) against the CPU kernels on the same Q8_0 file."""
+    kernels = load_gguf(moe_ggufs["Q8_0"])
+    monkeypatch.setenv("METRALE_MATMUL", "reference")
+    plain = load_gguf(moe_ggufs["Q8_0"], keep_quantized=True)
+    assert isinstance(plain.model.model.layers[0].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    prompts = random_prompts(kernels.config.vocab_size, [9, 1, 17])
+    chunks = [(f"s{i}", p) for i, p in enumerate(prompts)]
+    got = PagedHarness(plain.config).step(plain.model, chunks)
+    want = PagedHarness(kernels.config).step(kernels.model, chunks)
+    for g, w in zip(got, want):
+        assert mx.abs(g - w).max().item() < 2e-3 * (w.max() - w.min()).item()
