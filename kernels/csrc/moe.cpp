@@ -56,6 +56,98 @@ ExpertGroups group_rows(const int32_t* ids, int64_t rows, int64_t experts) {
   return g;
 }
 
+
+// The stacked experts: expert e's panels start e * panels * panel_bytes into q and e * panels * scale_bytes
+// into scales / biases; `base` describes expert 0.
+struct ExpertWeights {
+  QmmWeights base;
+  int64_t experts, panel_bytes, scale_bytes;
+
+  QmmWeights expert(int64_t e) const {
+    QmmWeights w = base;
+    w.q = base.q + e * base.panels * panel_bytes;
+    w.scales = static_cast<const uint8_t*>(base.scales) + e * base.panels * scale_bytes;
+    w.biases = static_cast<const uint8_t*>(base.biases) + e * base.panels * scale_bytes;
+    return w;
+  }
+};
+
+// Per-call buffers of the grouped rows, one allocation reused by the calling thread (the CPU stream's):
+//   xs (rows, K) float32 | ys (rows, N) float32 | xq [xlo] (rows, K) int8 | xd, xisum (rows, K / 32)
+//   | xsum (rows, K / group_size)
+struct Scratch {
+  float* xs;
+  float* ys;
+  QmmActs acts;
+  int64_t N;
+  bool wide;
+
+  Scratch(int64_t rows, int K, int64_t n, int group_size, bool wide_acts) : N(n), wide(wide_acts) {
+    thread_local std::vector<int64_t> buffer;
+    const int64_t blocks = K / kActBlock, planes = wide ? 2 : 1, groups = K / group_size;
+    buffer.resize(static_cast<size_t>(ceil_div(rows * (4 * K + 4 * N + planes * K + blocks * 8 + groups * 4), 8)) + 1);
+    xs = reinterpret_cast<float*>(buffer.data());
+    ys = xs + rows * K;
+    auto* bytes = reinterpret_cast<uint8_t*>(ys + rows * N);
+    acts = QmmActs{reinterpret_cast<int8_t*>(bytes), nullptr, nullptr, nullptr, nullptr, rows, K, group_size};
+    if (wide) acts.xlo = acts.xq + rows * K;
+    acts.xd = reinterpret_cast<float*>(bytes + planes * rows * K);
+    acts.xisum = reinterpret_cast<int32_t*>(acts.xd + rows * blocks);
+    acts.xsum = reinterpret_cast<float*>(acts.xisum + rows * blocks);
+  }
+};
+
+// Row i of the grouped order reads x row order[i] / per_token; copied into xs and quantized into acts.
+void quantize_gathered(const float* x, const ExpertGroups& g, int64_t per_token, Scratch& s) {
+  const int64_t rows = s.acts.tokens, K = s.acts.K;
+  const auto& kernels = cpu_kernels();
+  const int tasks = static_cast<int>(ceil_div(rows, kRowsPerQuantizeTask));
+  const int width = rows * K < (1 << 16) ? 1 : std::min(num_threads(), tasks);
+  parallel_for(tasks, width, [&](int task, int) {
+    const int64_t begin = task * kRowsPerQuantizeTask, end = std::min(rows, begin + kRowsPerQuantizeTask);
+    for (int64_t i = begin; i < end; ++i)
+      std::memcpy(s.xs + i * K, x + (g.order[i] / per_token) * K, sizeof(float) * K);
+    kernels.qmm_quantize(s.xs, s.acts, begin, end);
+  });
+}
+
+// ys rows of each used expert from its panels. Tasks: (expert, up to kPanelsPerTask panels or glu pairs,
+// a block of its rows whose activations stay in L2); one thread below kMinParallelBytes of weights.
+void run_experts(const ExpertWeights& w, const ExpertGroups& g, int glu, const Scratch& s) {
+  const int64_t out_panels = glu >= 0 ? w.base.panels / 2 : w.base.panels;
+  const int64_t block = std::max<int64_t>(8, kActivationBlockBytes / (int64_t{w.base.K} * (s.wide ? 2 : 1)) / 8 * 8);
+  struct Task { int64_t expert, begin, end, t_begin, t_end; };
+  std::vector<Task> tasks;
+  int64_t touched = 0;  // weight bytes the call streams, once per tile of 8 rows
+  for (int64_t e = 0; e < w.experts; ++e) {
+    const int64_t r0 = g.offsets[e], r1 = g.offsets[e + 1];
+    if (r0 == r1) continue;
+    touched += w.base.panels * w.panel_bytes * ceil_div(r1 - r0, 8);
+    for (int64_t t0 = r0; t0 < r1; t0 += block)
+      for (int64_t p = 0; p < out_panels; p += kPanelsPerTask)
+        tasks.push_back({e, p, std::min(out_panels, p + kPanelsPerTask), t0, std::min(r1, t0 + block)});
+  }
+  const auto& kernels = cpu_kernels();
+  const int width = touched < kMinParallelBytes ? 1 : std::min(num_threads(), static_cast<int>(tasks.size()));
+  parallel_for(static_cast<int>(tasks.size()), width, [&](int i, int) {
+    const Task& t = tasks[i];
+    kernels.qmm_panels(w.expert(t.expert), s.acts, QmmOut{s.ys, s.N, 0, s.N, glu}, t.begin, t.end, t.t_begin,
+                       t.t_end);
+  });
+}
+
+// ys (grouped order) back to the rows' order in out (rows, N); rows whose expert id is out of range
+// (never made by metrale.models.moe.route) are NaN rather than read out of bounds.
+void scatter_rows(const ExpertGroups& g, const float* ys, int64_t N, int64_t rows, float* out) {
+  std::vector<char> written(static_cast<size_t>(rows), 0);
+  for (size_t i = 0; i < g.order.size(); ++i) {
+    std::memcpy(out + g.order[i] * N, ys + i * N, sizeof(float) * N);
+    written[g.order[i]] = 1;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    if (!written[r]) std::fill(out + r * N, out + (r + 1) * N, std::numeric_limits<float>::quiet_NaN());
+}
+
 }  // namespace
 
 mx::array gather_quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales,
@@ -102,75 +194,19 @@ void GatherQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::a
   out.set_data(mx::allocator::malloc(out.nbytes()));
   encoder.set_output_array(out);
   const RowMajor xin(x, encoder), idin(inputs[4], encoder);
-  const int64_t experts = q.shape(0), panels = q.shape(1), groups = sc.shape(2);
   const int K = static_cast<int>(x.shape(-1));
-  const int64_t panel_bytes = q.shape(2), scale_bytes = sc.itemsize() * groups * kPanelRows;
-  const QmmWeights base{q.data<uint8_t>(), sc.data<void>(), inputs[3].data<void>(), panels, K, bits_, group_size_,
-                        sc.dtype() == mx::float16};
+  const ExpertWeights w{{q.data<uint8_t>(), sc.data<void>(), inputs[3].data<void>(), q.shape(1), K, bits_, group_size_,
+                         sc.dtype() == mx::float16},
+                        q.shape(0), q.shape(2), static_cast<int64_t>(sc.itemsize()) * sc.shape(2) * kPanelRows};
   encoder.dispatch([=, op = out.data<float>(), tokens = static_cast<int64_t>(x.size()) / K,
                     rows = static_cast<int64_t>(out.size()) / columns_, N = int64_t{columns_}, glu = glu_,
                     wide = activation_bits_ == 16] {
     if (rows == 0) return;
-    const float* xp = xin.data<float>();
-    const ExpertGroups g = group_rows(idin.data<int32_t>(), rows, experts);
-    const int64_t valid = static_cast<int64_t>(g.order.size()), per_token = rows / tokens;
-    const auto& kernels = cpu_kernels();
-    // scratch: xs (valid, K) float | ys (valid, N) float | xq [xlo] (valid, K) int8 | xd, xisum (valid, K / 32)
-    // | xsum (valid, K / group)
-    thread_local std::vector<int64_t> scratch;
-    const int64_t blocks = K / kActBlock, planes = wide ? 2 : 1, wgroups = K / base.group_size;
-    const int64_t bytes = valid * (4 * K + 4 * N + planes * K + blocks * 8 + wgroups * 4);
-    scratch.resize(static_cast<size_t>(ceil_div(bytes, 8)) + 1);
-    auto* xs = reinterpret_cast<float*>(scratch.data());
-    float* ys = xs + valid * K;
-    auto* qbase = reinterpret_cast<uint8_t*>(ys + valid * N);
-    QmmActs acts{reinterpret_cast<int8_t*>(qbase), nullptr, nullptr, nullptr, nullptr, valid, K, base.group_size};
-    if (wide) acts.xlo = acts.xq + valid * K;
-    acts.xd = reinterpret_cast<float*>(qbase + planes * valid * K);
-    acts.xisum = reinterpret_cast<int32_t*>(acts.xd + valid * blocks);
-    acts.xsum = reinterpret_cast<float*>(acts.xisum + valid * blocks);
-
-    const int quantize_tasks = static_cast<int>(ceil_div(valid, kRowsPerQuantizeTask));
-    const int quantize_width = valid * K < (1 << 16) ? 1 : std::min(num_threads(), quantize_tasks);
-    parallel_for(quantize_tasks, quantize_width, [&](int task, int) {
-      const int64_t begin = task * kRowsPerQuantizeTask, end = std::min(valid, begin + kRowsPerQuantizeTask);
-      for (int64_t i = begin; i < end; ++i)
-        std::memcpy(xs + i * K, xp + (g.order[i] / per_token) * K, sizeof(float) * K);
-      kernels.qmm_quantize(xs, acts, begin, end);
-    });
-
-    // Tasks: (expert, up to kPanelsPerTask panels or pairs, a block of its rows whose activations stay in L2).
-    const int64_t out_panels = glu >= 0 ? panels / 2 : panels;
-    const int64_t block = std::max<int64_t>(8, kActivationBlockBytes / (int64_t{K} * planes) / 8 * 8);
-    struct Task { int64_t expert, begin, end, t_begin, t_end; };
-    std::vector<Task> tasks;
-    int64_t touched = 0;  // weight bytes the call streams (per token tile)
-    for (int64_t e = 0; e < experts; ++e) {
-      const int64_t r0 = g.offsets[e], r1 = g.offsets[e + 1];
-      if (r0 == r1) continue;
-      touched += panels * panel_bytes * ceil_div(r1 - r0, 8);
-      for (int64_t t0 = r0; t0 < r1; t0 += block)
-        for (int64_t p = 0; p < out_panels; p += kPanelsPerTask)
-          tasks.push_back({e, p, std::min(out_panels, p + kPanelsPerTask), t0, std::min(r1, t0 + block)});
-    }
-    const int width = touched < kMinParallelBytes ? 1 : std::min(num_threads(), static_cast<int>(tasks.size()));
-    parallel_for(static_cast<int>(tasks.size()), width, [&](int i, int) {
-      const Task& t = tasks[i];
-      QmmWeights w = base;
-      w.q = base.q + t.expert * panels * panel_bytes;
-      w.scales = static_cast<const uint8_t*>(base.scales) + t.expert * panels * scale_bytes;
-      w.biases = static_cast<const uint8_t*>(base.biases) + t.expert * panels * scale_bytes;
-      kernels.qmm_panels(w, acts, QmmOut{ys, N, 0, N, glu}, t.begin, t.end, t.t_begin, t.t_end);
-    });
-
-    // back to the rows' order; rows with an expert id out of range are NaN (the Python side checks ids)
-    std::vector<char> written(static_cast<size_t>(rows), 0);
-    for (int64_t i = 0; i < valid; ++i) {
-      std::memcpy(op + g.order[i] * N, ys + i * N, sizeof(float) * N);
-      written[g.order[i]] = 1;
-    }
-    for (int64_t r = 0; r < rows; ++r)
-      if (!written[r]) std::fill(op + r * N, op + (r + 1) * N, std::numeric_limits<float>::quiet_NaN());
+    const ExpertGroups g = group_rows(idin.data<int32_t>(), rows, w.experts);
+    Scratch scratch(static_cast<int64_t>(g.order.size()), K, N, w.base.group_size, wide);
+    quantize_gathered(xin.data<float>(), g, rows / tokens, scratch);
+    run_experts(w, g, glu, scratch);
+    scatter_rows(g, scratch.ys, N, rows, op);
   });
 }
 

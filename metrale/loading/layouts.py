@@ -53,7 +53,8 @@ def stack_experts(weights: Mapping[str, mx.array], num_experts: int) -> dict[str
     for (layer, proj, part), experts in groups.items():
         if sorted(experts) != list(range(num_experts)):
             raise ValueError(
-                f"{layer}.mlp.experts.*.{proj}.{part}: experts {sorted(experts)[:8]}... do not cover 0..{num_experts - 1}"
+                f"{layer}.mlp.experts.*.{proj}.{part}: experts {sorted(experts)[:8]}... do not cover "
+                f"0..{num_experts - 1}"
             )
         out[f"{layer}.mlp.switch_mlp.{proj}.{part}"] = mx.stack([experts[e] for e in range(num_experts)])
     return out

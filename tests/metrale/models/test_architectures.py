@@ -1,6 +1,7 @@
-"""Every architecture (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, ministral3, qwen3_moe, mixtral)
-loaded from a Hugging Face folder equals mlx-lm's implementation on the same weights: logits over the paged cache, and greedy
-generation through the batched engine against mlx-lm's own stream_generate."""
+"""Every architecture (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, ministral3, qwen3_moe,
+mixtral) loaded from a Hugging Face folder equals mlx-lm's implementation on the same weights:
+logits over the paged cache, and greedy generation through the batched engine against mlx-lm's own
+stream_generate."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every GGUF architecture: a tiny random GGUF written as llama.cpp's converter writes it (the `gguf`
+"""Every GGUF architecture (metrale.loading.gguf_arch): a tiny random GGUF written as llama.cpp's converter writes it (the `gguf`
 package; tests/metrale/gguf_helpers.py) loads to the same model as the same weights in a Hugging Face
 folder, and to mlx-lm's logits where mlx-lm has the family: prefill and decode logits over the paged
 cache, and greedy tokens."""
@@ -88,7 +88,8 @@ def test_gguf_equals_folder_and_mlx_lm(pairs, variant):
         reference, _ = load_reference(folder)
         for i, (p, m) in enumerate(zip(prompts, more)):
             ref = reference(mx.array([p + m]))[0]  # (L, vocab)
-            assert mx.allclose(got[i], ref, atol=ATOL, rtol=RTOL).item(), (variant, i, mx.abs(got[i] - ref).max().item())
+            close = mx.allclose(got[i], ref, atol=ATOL, rtol=RTOL).item()
+            assert close, (variant, i, mx.abs(got[i] - ref).max().item())
     assert _greedy(from_gguf, prompts[0], 8) == _greedy(from_folder, prompts[0], 8)
 
 
