@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from metrale.engine.stream import GroupStream, RequestStream
-from metrale.outputs import EngineInfo, EngineStats
+from metrale.outputs import EngineInfo, EngineState, EngineStats
 from metrale.sampling_params import SamplingParams
 
 
@@ -39,8 +39,8 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None:
         """Abort what is left and stop; leaves nothing running."""
 
-    def health(self) -> str:
-        """"loading" | "serving" | "draining" | "unhealthy" | "stopped"."""
+    def health(self) -> EngineState:
+        """"loading" | "serving" | "draining" | "unhealthy" | "stopped" (a str-valued enum)."""
 
     def stats(self) -> EngineStats:
         """A cheap snapshot of the engine's state."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -51,6 +53,7 @@ class _Call:
     echo: str | None = None  # completions with echo: the prompt text each choice starts with
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top alternatives), None: not requested
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -68,6 +71,7 @@ class _Choice:
         self.logprobs: list[TokenLogprob] = []
         self.last: RequestOutput | None = None
         self.echoed = False  # streaming: the prompt went out with the first delta
+        self.role_sent = False  # streaming chat: the role goes out with the first token, as vLLM sends it
 
     def add(self, out: RequestOutput) -> None:
         self.texts.append(out.text)
@@ -103,6 +107,25 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
     `tool_call_format` overrides the format the engine reads from the model's chat template;
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+    call, stream = await open_stream(engine, served_model, request, default_max_tokens=default_max_tokens,
+                                     request_id=request_id, tool_call_format=tool_call_format,
+                                     model_aliases=model_aliases)
+    respond = _stream_response if request.stream else _full_response
+    try:
+        await run_until_disconnect(respond(engine, call, stream, send), receive)
+    finally:
+        await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+async def open_stream(engine: EngineClient, served_model: str,
+                      request: protocol.CompletionRequest | protocol.ChatCompletionRequest, *,
+                      default_max_tokens: int | None, request_id: str | None = None,
+                      tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> tuple[_Call, Any]:
+    """Validate a decoded request, render and tokenize its prompt (off the event loop when long) and submit
+    it: the fields its response objects share, and the engine stream (the caller closes it). Raises
+    APIError for anything refused. The Anthropic and Ollama routes come here too, with their bodies
+    translated into a ChatCompletionRequest."""
+    chat = isinstance(request, protocol.ChatCompletionRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
     params = protocol.sampling_params(request, default_max_tokens)
     plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
@@ -110,12 +133,11 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         params = plan.params(params)
     await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output
                    else structured.source_of(request))
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
-    try:
-        if chat:  # long prompts are tokenized off the event loop
-            prompt_ids = await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
-                                                     tools=plan.template_tools if plan is not None else None,
-                                                     **protocol.template_kwargs(request))
+    options = request.stream_options
+    include_usage = options is not None and (options.include_usage or options.continuous_usage_stats)
+    with engine_errors():
+        if chat:
+            prompt_ids = await _chat_prompt_ids(engine, request, plan)
         else:
             prompt = protocol.completion_prompt(request)
             prompt_ids = await engine.prompt_token_ids(prompt)
@@ -126,8 +148,24 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
                      int(time.time()), model,
                      include_usage, params.logprobs,
                      plan if plan is not None and plan.parses_calls else None, params.n, echo,
-                     tuple(prompt_ids), request.prompt_logprobs)
+                     tuple(prompt_ids), request.prompt_logprobs,
+                     continuous_usage=options is not None and options.continuous_usage_stats)
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
+    return call, stream
+
+
+async def prompt_token_ids(engine: EngineClient, request: protocol.ChatCompletionRequest) -> list[int]:
+    """The token ids a chat request's prompt renders to (its tools included), as open_stream would submit."""
+    plan = tools.plan(request, engine.tool_call_format)
+    with engine_errors():
+        return await _chat_prompt_ids(engine, request, plan)
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """The engine's submit-time errors (typed rejections, bad params) as APIErrors; others propagate."""
+    try:
+        yield
     except APIError:
         raise
     except Exception as error:
@@ -135,11 +173,14 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         if api_error is None:
             raise
         raise api_error from error
-    respond = _stream_response if request.stream else _full_response
-    try:
-        await run_until_disconnect(respond(engine, call, stream, send), receive)
-    finally:
-        await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+async def _chat_prompt_ids(engine: EngineClient, request: protocol.ChatCompletionRequest,
+                           plan: tools.ToolPlan | None) -> list[int]:
+    """Long prompts are tokenized off the event loop."""
+    return await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
+                                       tools=plan.template_tools if plan is not None else None,
+                                       **protocol.template_kwargs(request))
 
 
 async def prepare_params(engine: EngineClient, params: Any, source: str) -> None:
@@ -176,9 +217,6 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
     sse = SSEResponse(send)
     await sse.start()
     choices = [_Choice(i, call) for i in range(call.n)]
-    if call.chat:
-        for choice in choices:
-            await sse.event(_chunk(call, choice.index, {"role": "assistant", "content": ""}, None))
     failed = False
     prompt_logprobs = None  # sequence 0's first delta brings them (before any other sequence's)
     try:
@@ -190,7 +228,8 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
             if out.finish_reason in ("abort", "error"):
                 continue  # abort: reported below; error: the stream raises next
             if out.text or out.finish_reason is not None or out.logprobs or (call.echo is not None and not choice.echoed):
-                await _send_delta(engine, sse, call, choice, out, prompt_logprobs)
+                usage = _usage_so_far(choices) if call.continuous_usage else None
+                await _send_delta(engine, sse, call, choice, out, prompt_logprobs, usage)
     except RequestFailedError as error:
         failed = True
         await sse.event(APIError(500, str(error), code="request_failed").body())
@@ -203,7 +242,12 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
 
 
 async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, choice: _Choice,
-                      out: RequestOutput, prompt_logprobs: list | None) -> None:
+                      out: RequestOutput, prompt_logprobs: list | None, usage: dict[str, Any] | None) -> None:
+    """The chunks of one delta; `usage` (the usage so far) goes on each when the client asked for it."""
+
+    def chunk(content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return _chunk(call, choice.index, content, finish_reason, logprobs, usage)
+
     logprobs = None
     if not call.chat:
         text = out.text
@@ -214,21 +258,24 @@ async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, choic
                 logprobs = _logprobs(engine, call, out.logprobs or [], prompt_logprobs)
         elif call.logprobs is not None and out.logprobs:
             logprobs = _logprobs(engine, call, out.logprobs, None)
-        await sse.event(_chunk(call, choice.index, text, out.finish_reason, logprobs))
+        await sse.event(chunk(text, out.finish_reason, logprobs))
         return
+    if not choice.role_sent:
+        choice.role_sent = True
+        await sse.event(chunk({"role": "assistant", "content": ""}, None))
     if call.logprobs is not None and out.logprobs:
         logprobs = lp.render(engine, out.logprobs, True, call.logprobs)
     if choice.tools is not None:  # content and tool-call deltas, as the parser makes them certain
         fields = choice.tools.delta(out.text, final=out.finish_reason is not None)
         if fields or logprobs:
-            await sse.event(_chunk(call, choice.index, fields, None, logprobs))
+            await sse.event(chunk(fields, None, logprobs))
         if out.finish_reason is not None:
-            await sse.event(_chunk(call, choice.index, {}, choice.tools.finish_reason(out.finish_reason)))
+            await sse.event(chunk({}, choice.tools.finish_reason(out.finish_reason)))
         return
     if out.text or logprobs:
-        await sse.event(_chunk(call, choice.index, {"content": out.text}, None, logprobs))
+        await sse.event(chunk({"content": out.text}, None, logprobs))
     if out.finish_reason is not None:
-        await sse.event(_chunk(call, choice.index, {}, out.finish_reason))
+        await sse.event(chunk({}, out.finish_reason))
 
 
 def _logprobs(engine: EngineClient, call: _Call, logprobs: list[TokenLogprob],
@@ -240,13 +287,19 @@ def _logprobs(engine: EngineClient, call: _Call, logprobs: list[TokenLogprob],
                      leading_token_id=call.prompt_token_ids[0])
 
 
-def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, logprobs: Any = None,
+           usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     choice["delta" if call.chat else "text"] = content
     chunk = {**call.envelope(chunk=True), "choices": [choice]}
     if call.include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage  # null on every chunk but the last, unless continuous usage was asked for
     return chunk
+
+
+def _usage_so_far(choices: list[_Choice]) -> dict[str, Any]:
+    """The usage of the choices' deltas seen so far (vLLM's continuous_usage_stats)."""
+    return _usage([c.last for c in choices if c.last is not None])
 
 
 def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk (guidellm sends it)
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -203,7 +203,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
 
     A chat request that sets neither max_tokens nor max_completion_tokens gets `default_max_tokens`,
     and when that is None too, the rest of the context (the engine's max_model_len minus the prompt,
-    vLLM's rule). Completions default to OpenAI's 16.
+    vLLM's rule). Completions default to OpenAI's 16; `"max_tokens": null` is treated like a chat request's.
     """
     _refuse_unsupported(request)
     kwargs: dict[str, Any] = {}
@@ -220,8 +220,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens  # None: the rest
-    elif request.max_tokens is not None:
-        kwargs["max_tokens"] = request.max_tokens
+    else:  # OpenAI's default is 16 (the field's default); an explicit null asks for the rest, as in vLLM
+        kwargs["max_tokens"] = request.max_tokens if request.max_tokens is not None else default_max_tokens
     logprobs = _logprobs(request)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs

@@ -87,7 +87,3 @@ def refuse(request: Any, chat: bool) -> None:
         value = getattr(request, refusal.field)
         if value is not None and not refusal.allowed(value):
             raise bad_request(f"{refusal.field} {refusal.reason} (got {value!r})", refusal.field)
-    options = request.stream_options
-    if options is not None and options.continuous_usage_stats:
-        raise bad_request("stream_options.continuous_usage_stats is not supported; include_usage sends the usage "
-                          "once, at the end", "stream_options")

@@ -199,11 +199,3 @@ async def test_off_values_of_refused_fields_pass(path):
     engine = FakeEngine()
     r = await call(ServerApp(engine, manage_engine=False), "POST", path, {**BASE[path], **off})
     assert r.status == 200, r.body
-
-
-async def test_continuous_usage_stats_is_refused():
-    engine = FakeEngine()
-    r = await call(ServerApp(engine, manage_engine=False), "POST", COMPLETIONS, {
-        **BASE[COMPLETIONS], "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
-    assert r.status == 400 and r.json()["error"]["param"] == "stream_options"
-    assert msgspec.json.decode(r.body)["error"]["message"].startswith("stream_options.continuous_usage_stats")
