@@ -33,7 +33,9 @@ FLOORS = {
 SERVER_ENGINE_API = ("metrale.engine.protocol", "metrale.engine.stream")
 MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcache.manager", "metrale",
             "metrale.config", "metrale.errors", "metrale.outputs", "metrale.sampling_params", "metrale.models",
-            "metrale.text", "metrale.text.tokenizer", "metrale.text.gguf_vocab", "metrale.text.chat_template",
+            "metrale.text", "metrale.text.tokenizer", "metrale.text.gguf_vocab", "metrale.text.gguf_pretokenizers",
+            "metrale.text.gguf_sentencepiece", "metrale.text.gguf_wordpiece", "metrale.text.gguf_special_tokens",
+            "metrale.text.chat_template",
             "metrale.text.detokenizer", "metrale.text.stop", "metrale.text.processor", "metrale.engine",
             "metrale.engine.protocol", "metrale.engine.stream", "metrale.server", "metrale.server.app",
             "metrale.server.completions", "metrale.structured_outputs", "metrale.text.tool_parsers",

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +45,9 @@ from metrale.speculative.speculator import Speculator
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
-from metrale.text.tool_parsers import detect_format
+from metrale.loading.generation_defaults import read_sampling_defaults
+from metrale.text.output_parsing import detect_format
+from metrale.text.reasoning import detect_reasoning
 from scheduler import Scheduler
 
 if TYPE_CHECKING:  # imported by _start_ranks: a one-rank engine never loads metrale.distributed
@@ -80,6 +83,7 @@ class AsyncEngine:
         self._group: TensorParallelGroup | None = None  # rank 0's handle on the other ranks (tensor parallelism)
         self._core: EngineCore | None = None
         self._inputs: InputProcessor | None = None
+        self._sampling_defaults: dict[str, Any] = {}
         self._outputs: OutputProcessor | None = None
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
@@ -117,6 +121,7 @@ class AsyncEngine:
             self._state = EngineState.STOPPED
             raise
         self._init_text(loaded)
+        self._sampling_defaults = await self._mlx.run(self._read_sampling_defaults, loaded.path)
         self._info = EngineInfo(model_path=str(loaded.path), model_type=loaded.config.architecture,
                                 dtype=self._runner.dtype_name, kv_block_size=self.config.block_size)
         self._max_model_len = self.config.max_model_len or min(
@@ -390,6 +395,28 @@ class AsyncEngine:
     def tool_call_format(self) -> str | None:
         """How the model writes tool calls (from its chat template), or None; known once started."""
         return detect_format(self._inputs.chat_template.source) if self._inputs is not None else None
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults for what a request leaves unset ({} with generation_config "vllm")."""
+        return dict(self._sampling_defaults)
+
+    def _read_sampling_defaults(self, path: Path) -> dict[str, Any]:
+        if self.config.generation_config == "vllm":
+            return {}
+        try:
+            defaults = read_sampling_defaults(path)
+        except (ValueError, OSError, struct.error) as error:  # the model loaded: its defaults never stop a start
+            logger.warning("the model's sampling defaults could not be read from %s: %s", path, error)
+            return {}
+        if defaults:
+            logger.info("the model's sampling defaults (for requests that leave them unset): %s", defaults)
+        return defaults
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning (from its chat template), or None; known once started."""
+        return detect_reasoning(self._inputs.chat_template.source) if self._inputs is not None else None
 
     @property
     def tokenizer(self) -> Tokenizer:
