@@ -8,6 +8,7 @@
 #include "causal_softmax.h"
 #include "isa.h"
 #include "kv_write.h"
+#include "moe.h"
 #include "mlx/version.h"
 #include "norm_rope.h"
 #include "paged_decode.h"
@@ -63,6 +64,11 @@ NB_MODULE(_kernels, m) {
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");
+  m.def("gather_quantized_matmul", &metrale::gather_quantized_matmul, "x"_a, "q"_a, "scales"_a, "biases"_a,
+        "indices"_a, nb::kw_only(), "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16,
+        "Mixture-of-experts matmul (kernels/moe.py): row r of indices (R = T * top_k rows) multiplies\n"
+        "x[r / top_k] (x (T, K) float32) by expert indices[r]'s packed weight (q (E, P, bytes), scales and\n"
+        "biases (E, P, K / group_size, 16)). Returns (*indices.shape, columns) float32; glu as quantized_matmul.");
   m.def("rms_norm", &metrale::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "weight_offset"_a = 0.0f,
         "RMSNorm of x (..., D) float32 with weight (D,) float32 (+ weight_offset: 1 for gemma's 1 + w),\n"
         "one node on the CPU stream: (x / sqrt(mean(x^2) + eps)) * (weight + weight_offset).");
