@@ -12,14 +12,9 @@ waits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import itertools
 import logging
-import struct
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,70 +27,62 @@ from metrale.engine.engine_client import EngineProcess
 from metrale.engine.ipc import ModelFacts, TokenizerSpec
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.runner import ModelRunner
+from metrale.engine.startup import RunnerFactory, TextFrontEnd, default_model_label, read_model_sampling_defaults
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.engine.streams import RequestStreams
-from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError, EngineNotRunningError,
-                            EngineRestartingError, EngineUnavailableError, PromptTooLongError, RequestRejectedError,
-                            StructuredOutputUnavailableError)
+from metrale.engine.submission import Submission, collect_result, counting_rejections
+from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineRestartingError
 from metrale.failpoints import Failpoints
 from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
-from metrale.sampling.guided import require_llguidance
 from metrale.sampling_params import SamplingParams
+from metrale.settings import RuntimeSettings
 from metrale.speculative.proposers import HostProposer
 from metrale.speculative.speculator import Speculator
-from metrale.text.chat_template import ChatTemplate
-from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
-from metrale.loading.generation_defaults import read_sampling_defaults
 from metrale.text.output_parsing import detect_format
 from metrale.text.reasoning import detect_reasoning
 
 logger = logging.getLogger(__name__)
 WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
 WATCHDOG_FACTOR = 50.0
-OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
-
-
-def _model_label(model: str | None) -> str:
-    """The model_name metric label, known before loading: the file or folder name."""
-    if model is None:
-        return "SmolLM2-135M-Instruct.Q4_1"
-    return Path(model).stem if model.endswith(".gguf") else Path(model).name or model
 
 
 class AsyncEngine:
     """Continuous-batching engine: many concurrent requests, one batched forward per step."""
 
     def __init__(self, config: EngineConfig | None = None, *, registry: CollectorRegistry | None = None,
-                 proposer: HostProposer | None = None) -> None:
+                 proposer: HostProposer | None = None, settings: RuntimeSettings | None = None,
+                 runner_factory: RunnerFactory | None = None) -> None:
         """`proposer`: a host-side draft proposer to speculate with instead of the configured method's
-        (metrale.speculative.proposers; needs a speculative_config for num_speculative_tokens and the policy)."""
+        (metrale.speculative.proposers; needs a speculative_config for num_speculative_tokens and the policy).
+        `settings`: the runtime settings (default: RuntimeSettings.resolve(config), from the environment).
+        `runner_factory`: builds the runner of the loaded model on the MLX thread (default
+        ModelRunner.from_loaded; tests pass a subclass's to observe, hold or fail steps)."""
         self.config = config or EngineConfig()
+        self.settings = settings if settings is not None else RuntimeSettings.resolve(self.config)
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = EngineMetrics(self.registry, model_name=_model_label(self.config.model))
+        self.metrics = EngineMetrics(self.registry, model_name=default_model_label(self.config.model))
+        self._runner_factory = runner_factory if runner_factory is not None else ModelRunner.from_loaded
         self._state = EngineState.STOPPED  # stopped -> loading -> serving -> draining -> stopped
         self._client: LocalCore | EngineProcess | None = None  # the engine core, here or in its process
         self._core: EngineCore | None = None  # in-process only (tests reach for it)
-        self._runner: ModelRunner | None = None  # in-process only
         self._streams: RequestStreams | None = None  # the text front-end of every open request
         self._facts: ModelFacts | None = None  # set at start
-        self._inputs: InputProcessor | None = None
+        self._submission: Submission | None = None
         self._sampling_defaults: dict[str, Any] = {}
-        self._outputs: OutputProcessor | None = None
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
-        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._failpoints = Failpoints.from_env(self.config.failpoints, seed=self.config.seed)
+        self._failpoints = Failpoints.from_spec(self.settings.failpoints, seed=self.config.seed)
         spec = self.config.speculative_config
         if proposer is not None and spec is None:
             raise ValueError("a proposer needs EngineConfig(speculative_config=...): how many drafts, and when")
-        if proposer is not None and self.config.engine_process:
-            raise ValueError("a proposer object cannot cross to an engine process: use engine_process=False")
+        if self.config.engine_process and (proposer is not None or runner_factory is not None):
+            raise ValueError("a proposer or runner_factory object cannot cross to an engine process: "
+                             "use engine_process=False")
         self._speculator = Speculator(spec, proposer) if spec is not None else None
         if spec is not None:
             self.metrics.enable_speculation(spec.num_speculative_tokens)
-        self._tokenize_thread: ThreadPoolExecutor | None = None
 
     # ---- lifecycle ----
 
@@ -112,22 +99,26 @@ class AsyncEngine:
                 tokenizer, facts, self._max_model_len = _tokenizer(ready.tokenizer), ready.facts, ready.max_model_len
                 client.on_death = self._on_engine_death
             else:
-                client = LocalCore(self.config, self.metrics, self._failpoints, self._speculator)
+                client = LocalCore(self.config, self.settings, self.metrics, self._failpoints, self._speculator,
+                                   self._runner_factory)
                 loaded = await client.start()
                 tokenizer, facts, self._max_model_len = loaded.tokenizer, client.facts(loaded), client.max_model_len
-                self._core, self._runner = client.core, client.runner
+                self._core = client.core
         except BaseException:
             self._state = EngineState.STOPPED
             raise
         self._client, self._facts = client, facts
-        self._init_text(tokenizer, facts)
         # only the model file's header is read (generation_config.json, a GGUF's general.sampling.*)
-        self._sampling_defaults = await asyncio.to_thread(self._read_sampling_defaults, Path(facts.model_path))
+        self._sampling_defaults = await asyncio.to_thread(read_model_sampling_defaults, self.config,
+                                                          Path(facts.model_path))
         self._info = EngineInfo(model_path=facts.model_path, model_type=facts.architecture, dtype=facts.dtype_name,
                                 kv_block_size=self.config.block_size)
+        self.metrics.set_max_model_len(self._max_model_len)
         self._streams = RequestStreams(client.finish, self._failpoints)
         client.set_on_outputs(self._streams.process)
-        self.metrics.set_max_model_len(self._max_model_len)
+        text = TextFrontEnd.for_tokenizer(tokenizer, facts.architecture, facts.vocab_size, self._max_model_len,
+                                          self._failpoints)
+        self._submission = Submission(text, client, facts, self._streams, self._max_model_len, self.abort)
         if self._failpoints:
             logger.warning("failpoints armed: %s", self._failpoints.points)
         self.metrics.set_info(model=self.model_name, dtype=facts.dtype_name, kv_blocks=str(facts.kv_blocks),
@@ -142,12 +133,6 @@ class AsyncEngine:
     def _on_engine_death(self, error: BaseException) -> None:
         """The engine process died: every open stream ends with the error now (it restarts, or not)."""
         self._streams.fail_all(error)
-
-    def _init_text(self, tokenizer: Tokenizer, facts: ModelFacts) -> None:
-        template = ChatTemplate.for_tokenizer(tokenizer, facts.architecture)
-        self._inputs = InputProcessor(tokenizer, template, facts.vocab_size, max_model_len=self._max_model_len,
-                                      failpoints=self._failpoints)
-        self._outputs = OutputProcessor(tokenizer, self._failpoints)
 
     @property
     def num_unfinished(self) -> int:
@@ -175,8 +160,8 @@ class AsyncEngine:
             await self._client.shutdown()
         if self._streams is not None:  # an engine process that died at shutdown: what it did not end
             self._streams.fail_all(EngineNotRunningError("engine shut down"))
-        if self._tokenize_thread is not None:
-            self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        if self._submission is not None:
+            self._submission.close()
         self._state = EngineState.STOPPED
 
     async def __aenter__(self) -> "AsyncEngine":
@@ -185,51 +170,33 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
 
-    # ---- submission ----
+    # ---- submission (metrale.engine.submission) ----
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  request_id: str | None = None, priority: int = 0) -> RequestStream | GroupStream:
         """Queue a request and return its stream. Raises a RequestRejectedError (bad input, too long,
         queue full, duplicate id) or an EngineUnavailableError (not running, draining, dead); nothing
         is queued then."""
-        with self._counting_rejections():
-            inputs = self._accepting()
-            params = self._request_params(inputs, params)
-            return self._submit(inputs.prompt_ids(prompt), params, request_id, priority)
+        with counting_rejections(self.metrics):
+            return self._accepting().generate(prompt, params, request_id, priority)
 
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """What `generate` would encode for `prompt`, tokenized on a worker thread when the text is long,
         so that the event loop never stalls on it (the server submits the ids it gets)."""
-        with self._counting_rejections():
-            inputs = self._accepting()
-            if isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
-                inputs.check_length(prompt)
-                return await self._off_loop(inputs.prompt_ids, prompt)
-            return inputs.prompt_ids(prompt)
+        with counting_rejections(self.metrics):
+            return await self._accepting().prompt_token_ids(prompt)
 
     async def chat_token_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
         """What `chat` would submit for `messages`; a long conversation is tokenized off the event loop."""
-        with self._counting_rejections():
-            inputs = self._accepting()
-            size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict)) \
-                if isinstance(messages, list) else 0
-            if size > OFF_LOOP_PROMPT_CHARS:
-                return await self._off_loop(inputs.chat_ids, messages, **template_kwargs)
-            return inputs.chat_ids(messages, **template_kwargs)
-
-    async def _off_loop(self, fn, *args: Any, **kwargs: Any) -> Any:
-        if self._tokenize_thread is None:  # one thread: a flood of huge prompts queues, it does not fan out
-            self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, functools.partial(fn, *args, **kwargs))
+        with counting_rejections(self.metrics):
+            return await self._accepting().chat_token_ids(messages, **template_kwargs)
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream | GroupStream:
         """Render the model's chat template over messages (and `tools`, given to the template as Hugging
         Face's apply_chat_template passes them), then `generate` from it."""
-        with self._counting_rejections():
-            inputs = self._accepting()
-            params = self._request_params(inputs, params)
-            return self._submit(inputs.chat_ids(messages, tools=tools), params, request_id, priority)
+        with counting_rejections(self.metrics):
+            return self._accepting().chat(messages, params, request_id, priority, tools)
 
     async def prepare(self, params: SamplingParams) -> None:
         """Compile what `params` needs before `generate`/`chat` (a structured-output grammar), on the
@@ -238,22 +205,8 @@ class AsyncEngine:
         submitted unprepared waits for its grammar when first scheduled and fails if it does not compile."""
         if params.structured_outputs is None:
             return
-        with self._counting_rejections():
-            self._accepting()
-            self._check_grammars()
-            await self._client.compile(params.structured_outputs)
-
-    def _request_params(self, inputs: InputProcessor, params: SamplingParams | None) -> SamplingParams:
-        params = inputs.params(_checked_params(params))
-        if params.structured_outputs is not None:
-            self._check_grammars()
-            self._client.precompile(params.structured_outputs)  # starts compiling now (cached)
-        return params
-
-    def _check_grammars(self) -> None:
-        require_llguidance()
-        if not self._facts.has_grammar_compiler:
-            raise StructuredOutputUnavailableError("structured outputs need a tokenizer with an eos token")
+        with counting_rejections(self.metrics):
+            await self._accepting().prepare(params)
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0) -> CompletionResult:
@@ -290,69 +243,22 @@ class AsyncEngine:
         if self._client is not None:
             self._client.abort_all()
 
-    @contextlib.contextmanager
-    def _counting_rejections(self) -> Iterator[None]:
-        """Every refusal at submit time is counted once, by the reason its type carries."""
-        try:
-            yield
-        except (RequestRejectedError, EngineUnavailableError) as error:
-            if error.reason is not None:
-                self.metrics.record_rejected(error.reason)
-            raise
-        except (ValueError, TypeError):  # e.g. params that are not SamplingParams
-            self.metrics.record_rejected("invalid_request")
-            raise
-
-    def _accepting(self) -> InputProcessor:
+    def _accepting(self) -> Submission:
         if self._state is EngineState.DRAINING:
             raise EngineDrainingError("engine is draining for shutdown; not accepting requests")
-        if self._state is not EngineState.SERVING or self._inputs is None or self._client is None:
+        if self._state is not EngineState.SERVING or self._submission is None or self._client is None:
             raise EngineNotRunningError(f"engine is {self._state}; call start() first")
         if self._client.dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._client.dead!r}")
         if self._client.restarting:
             raise EngineRestartingError("the engine process is restarting; retry shortly")
-        return self._inputs
-
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-                priority: int) -> RequestStream | GroupStream:
-        """One sequence (a RequestStream), or params.n sequences sharing the prompt (a GroupStream whose
-        deltas carry their sequence's index; sequence i is request `request_id#i`, 0 is `request_id`)."""
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        max_tokens = self._max_tokens(params, len(prompt_ids))
-        eos = self._inputs.tokenizer.eos_token_ids
-        if params.n == 1:
-            ids, sequences = [request_id], [params]
-        else:
-            ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
-            sequences = [params.for_sequence(i) for i in range(params.n)]
-        texts = [self._outputs.new_request(prompt_ids, p, rid) for rid, p in zip(ids, sequences)]
-        for rid in ids:
-            if rid in self._streams:
-                raise DuplicateRequestError(f"request {rid!r} is already in flight")
-        self._client.submit_group(ids, prompt_ids, sequences, priority=priority, eos_token_ids=eos,
-                                  max_tokens=max_tokens, num_open=len(self._streams))
-        channels = self._streams.open(ids, texts, len(prompt_ids))
-        if params.n == 1:
-            return RequestStream(channels[0], functools.partial(self.abort, channel=channels[0]))
-        return GroupStream(channels, lambda channel: self.abort(channel.request_id, channel=channel))
-
-    def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
-        """params.max_tokens, or when it is None the room left in the context and in the KV pool."""
-        if params.max_tokens is not None:
-            return params.max_tokens
-        pool_tokens = self._facts.kv_slots
-        room = min(self._max_model_len - num_prompt_tokens, pool_tokens + 1 - num_prompt_tokens)
-        if room < 1:
-            raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output in "
-                                     f"max_model_len ({self._max_model_len})")
-        return max(room, params.min_tokens)
+        return self._submission
 
     # ---- introspection (metrale.engine.protocol.EngineClient) ----
 
     @property
     def model_name(self) -> str:
-        return self._facts.model_name if self._facts is not None else _model_label(self.config.model)
+        return self._facts.model_name if self._facts is not None else default_model_label(self.config.model)
 
     @property
     def max_model_len(self) -> int:
@@ -362,43 +268,32 @@ class AsyncEngine:
     @property
     def tool_call_format(self) -> str | None:
         """How the model writes tool calls (from its chat template), or None; known once started."""
-        return detect_format(self._inputs.chat_template.source) if self._inputs is not None else None
+        return detect_format(self._submission.inputs.chat_template.source) if self._submission else None
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning (from its chat template), or None; known once started."""
+        return detect_reasoning(self._submission.inputs.chat_template.source) if self._submission else None
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:
         """The model's sampling defaults for what a request leaves unset ({} with generation_config "vllm")."""
         return dict(self._sampling_defaults)
 
-    def _read_sampling_defaults(self, path: Path) -> dict[str, Any]:
-        if self.config.generation_config == "vllm":
-            return {}
-        try:
-            defaults = read_sampling_defaults(path)
-        except (ValueError, OSError, struct.error) as error:  # the model loaded: its defaults never stop a start
-            logger.warning("the model's sampling defaults could not be read from %s: %s", path, error)
-            return {}
-        if defaults:
-            logger.info("the model's sampling defaults (for requests that leave them unset): %s", defaults)
-        return defaults
-
-    @property
-    def reasoning_format(self) -> str | None:
-        """How the model marks its reasoning (from its chat template), or None; known once started."""
-        return detect_reasoning(self._inputs.chat_template.source) if self._inputs is not None else None
-
     @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer (for counting tokens, building prompts)."""
-        if self._inputs is None:
-            raise EngineNotRunningError("engine not started")
-        return self._inputs.tokenizer
+        return self._started().inputs.tokenizer
 
     @property
     def vocab_size(self) -> int:
         """The model's vocabulary size (the width of its logits)."""
-        if self._inputs is None:
+        return self._started().inputs.vocab_size
+
+    def _started(self) -> Submission:
+        if self._submission is None:
             raise EngineNotRunningError("engine not started")
-        return self._inputs.vocab_size
+        return self._submission
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of a token sequence (special tokens kept), e.g. a prompt given as ids, echoed back."""
@@ -410,6 +305,10 @@ class AsyncEngine:
     def failpoints_fired(self) -> dict[str, int]:
         """How many times each armed failpoint raised (empty when none is armed)."""
         return dict(self._failpoints.fired)
+
+    def disarm_failpoints(self) -> None:
+        """Stop injecting faults (chaos tooling: end the faults, then check that the engine recovered)."""
+        self._failpoints.disarm()
 
     def record_rejected(self, reason: str) -> None:
         self.metrics.record_rejected(reason)
@@ -457,29 +356,13 @@ class AsyncEngine:
             kv_blocks_free=core.kv_blocks_free, kv_usage=core.kv_usage, peak_kv_usage=core.peak_kv_usage,
             num_preemptions=core.num_preemptions, num_steps=core.num_steps,
             prefix_cache_queries=core.prefix_cache_queries, prefix_cache_hits=core.prefix_cache_hits,
-            requests_finished=core.requests_finished)
+            requests_finished=core.requests_finished, requests_unfinished=self.num_unfinished)
 
     def check_integrity(self) -> None:
         """Raise if the KV accounting is inconsistent (tests call this after every scenario)."""
         if self._client is None:
             raise EngineNotRunningError("engine not started")
         self._client.check_integrity()
-
-
-async def collect_result(stream: RequestStream) -> CompletionResult:
-    """Read a stream to its end into one CompletionResult; leaving early (an error, a cancel) aborts
-    the request."""
-    async with stream:
-        outputs = [out async for out in stream]
-    return CompletionResult.from_outputs(stream.request_id, outputs)
-
-
-def _checked_params(params: SamplingParams | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    return params
 
 
 def _tokenizer(spec: TokenizerSpec) -> Tokenizer:

@@ -12,26 +12,20 @@ front-end (metrale.engine.engine_process).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
-from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
 from metrale.engine.ipc import CoreStats, ModelFacts, TokenizerSpec
 from metrale.engine.mlx_thread import MLXThread
-from metrale.engine.runner import ModelRunner, weights_dtype
+from metrale.engine.runner import ModelRunner
+from metrale.engine.startup import Loaded, RunnerFactory, load
 from metrale.failpoints import Failpoints
-from metrale.loading import LoadedModel, load_model
+from metrale.loading import LoadedModel
+from metrale.settings import RuntimeSettings
 from metrale.speculative.speculator import Speculator
-from scheduler import Scheduler
-
-if TYPE_CHECKING:  # imported by _start_ranks: a one-rank engine never loads metrale.distributed
-    from metrale.distributed.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_model_len is None
 
 
 class LocalCore:
@@ -40,59 +34,43 @@ class LocalCore:
     `metrics`: what the core records its steps into (EngineMetrics, or an engine process's recorder).
     """
 
-    def __init__(self, config: EngineConfig, metrics, failpoints: Failpoints, speculator: Speculator | None) -> None:
+    def __init__(self, config: EngineConfig, settings: RuntimeSettings, metrics, failpoints: Failpoints,
+                 speculator: Speculator | None, runner_factory: RunnerFactory | None = None) -> None:
         self.config = config
+        self.settings = settings
         self.metrics = metrics
         self.failpoints = failpoints
         self.speculator = speculator
+        self.runner_factory = runner_factory if runner_factory is not None else ModelRunner.from_loaded
         self.mlx: MLXThread | None = None
-        self.runner: ModelRunner | None = None
-        self.group: TensorParallelGroup | None = None
+        self.loaded: Loaded | None = None
         self.core: EngineCore | None = None
         self.loop_task: asyncio.Task | None = None
         self.max_model_len = 0
 
+    @property
+    def runner(self) -> ModelRunner | None:
+        return self.loaded.runner if self.loaded is not None else None
+
+    @property
+    def group(self):
+        return self.loaded.group if self.loaded is not None else None
+
     async def start(self) -> LoadedModel:
-        """Load the model on the MLX thread, build the core and start its loop."""
+        """Load the model on the MLX thread (metrale.engine.startup), build the core and start its loop."""
         self.mlx = MLXThread()
         try:
-            if self.config.tensor_parallel_size > 1:
-                loaded = await self._start_ranks()
-            else:
-                loaded = await self.mlx.run(load_model, self.config.model, dtype=weights_dtype(self.config.dtype))
-                self.runner = await self.mlx.run(ModelRunner.from_loaded, loaded, self.config, self.failpoints)
+            self.loaded = await load(self.config, self.settings, self.failpoints, self.mlx, self.runner_factory,
+                                     self._on_rank_failure)
         except BaseException:
-            if self.group is not None:
-                self.group.close(timeout_s=0)
             self.mlx.shutdown()
             raise
-        self.max_model_len = self.config.max_model_len or min(
-            loaded.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        self.core = EngineCore(self._build_scheduler(), self.runner, self.mlx, self.metrics, self.failpoints,
-                               self.speculator)
+        self.max_model_len = self.loaded.max_model_len(self.config)
+        self.core = EngineCore(self.loaded.scheduler(self.config), self.loaded.runner, self.mlx, self.metrics,
+                               self.failpoints, self.speculator)
         self.loop_task = asyncio.create_task(self.core.run_forever(), name="metrale-engine-loop")
         self.loop_task.add_done_callback(_log_loop_end)
-        return loaded
-
-    async def _start_ranks(self) -> LoadedModel:
-        """Tensor parallelism: start ranks 1..N-1, join the ring, load this rank's share of the model
-        and its runner, and wait for every rank at the startup barrier."""
-        from metrale.distributed.group import TensorParallelGroup
-
-        loop = asyncio.get_running_loop()
-        dtype = weights_dtype(self.config.dtype)
-        self.group = TensorParallelGroup(
-            self.config.tensor_parallel_size,
-            on_failure=lambda error: loop.call_soon_threadsafe(self._on_rank_failure, error))
-        self.group.spawn(self.config.model, dtype)  # from the event-loop thread, which outlives the ranks
-        await self.group.wait_joining()
-        await self.mlx.run(self.group.join)
-        loaded = await self.mlx.run(load_model, self.config.model, dtype=dtype, shard=self.group.shard)
-        self.runner = await self.mlx.run(ModelRunner.from_loaded, loaded, self.config, self.failpoints, self.group)
-        await self.mlx.run(self.group.start_steps, self.runner.kv_cache.num_blocks, self.config.block_size)
-        logger.info("tensor parallel: %d ranks, each with its share of the heads and MLP and its own KV pools",
-                    self.config.tensor_parallel_size)
-        return loaded
+        return self.loaded.model
 
     def _on_rank_failure(self, error: BaseException) -> None:
         """A rank died or hung (event-loop thread): the engine is dead, every open request ends with an
@@ -101,12 +79,6 @@ class LocalCore:
             self.core.die(error)
         if self.loop_task is not None:
             self.loop_task.cancel()
-
-    def _build_scheduler(self) -> Scheduler:
-        scheduler_config = dataclasses.replace(self.config.scheduler, max_model_len=self.max_model_len)
-        kv = KVCacheManager(num_blocks=self.runner.kv_cache.num_blocks, block_size=scheduler_config.block_size,
-                            enable_prefix_caching=scheduler_config.enable_prefix_caching)
-        return Scheduler(scheduler_config, kv)
 
     def facts(self, loaded: LoadedModel) -> ModelFacts:
         return ModelFacts(model_name=self.runner.model_name, model_path=str(loaded.path),

@@ -27,6 +27,7 @@ from metrale.engine.metrics import FinishedRequestStats, IterationStats
 from metrale.engine.step import EngineOutput, RowError
 from metrale.errors import RequestRejectedError
 from metrale.failpoints import Failpoints
+from metrale.settings import RuntimeSettings
 from metrale.speculative.config import SpeculativeConfig
 from metrale.speculative.speculator import Speculator, Verification
 from scheduler import FinishReason, SchedulerConfig
@@ -88,7 +89,8 @@ class EngineServer:
         self.out = out
         self.recorder = MetricsRecorder()
         speculator = Speculator(config.speculative_config) if config.speculative_config is not None else None
-        self.host = LocalCore(config, self.recorder, Failpoints.from_env(config.failpoints, seed=config.seed),
+        settings = RuntimeSettings.resolve(config)  # this process's environment is the front-end's
+        self.host = LocalCore(config, settings, self.recorder, Failpoints.from_spec(settings.failpoints, seed=config.seed),
                               speculator)
         self.stopped = asyncio.Event()
 

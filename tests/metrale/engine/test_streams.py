@@ -14,7 +14,7 @@ from tests.metrale.engine.fakes import EOS, FakeTokenizer
 
 def streams(params: SamplingParams, failpoints: str = ""):
     told = []
-    points = Failpoints.from_env(failpoints, seed=0)
+    points = Failpoints.from_spec(failpoints, seed=0)
     front = RequestStreams(lambda rid, reason, error: told.append((rid, reason, error)), points)
     (channel,) = front.open(["r"], [OutputProcessor(FakeTokenizer()).new_request([0, 1, 2], params)], 3)
     return front, channel, told
