@@ -78,11 +78,14 @@ class ToolPlan:
         return ToolCallStream(make_parser(fmt))  # type: ignore[arg-type]
 
     def _constraint(self) -> StructuredOutputs | None:
-        if self.choice == "named":
-            tool = next(t for t in self.tools if t["function"]["name"] == self.named)
-            return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
-        if self.choice == "required":
-            return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        try:
+            if self.choice == "named":
+                tool = next(t for t in self.tools if t["function"]["name"] == self.named)
+                return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
+            if self.choice == "required":
+                return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        except ValueError as error:  # past StructuredOutputs' bounds (size, "$ref" count)
+            raise bad_request(f"tools: {str(error).removeprefix('structured_outputs.json ')}", "tools") from None
         return None
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from metrale.errors import InvalidStructuredOutputError
 from metrale.server.app import ServerApp
-from metrale.structured_outputs import StructuredOutputs
+from metrale.structured_outputs import MAX_CONSTRAINT_CHARS, StructuredOutputs
+from tests.metrale.test_structured_outputs import ref_chain, rule_chain
 from tests.server.fakes import FakeEngine, call
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -94,6 +95,33 @@ async def test_bad_fields_are_a_400_naming_them(app, engine, path, fields, param
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert engine.submitted == []
+
+
+def _chain_tool(links: int) -> dict:
+    return {"type": "function", "function": {"name": "deep", "parameters": ref_chain(links)}}
+
+
+@pytest.mark.parametrize(("path", "fields", "param", "words"), [
+    # each of these crashed the server (SIGSEGV in llguidance) or could never run: a 400 before compiling
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": ref_chain(5000)}}},
+     "response_format", 'response_format.json_schema.schema must hold at most 1024 "$ref"'),
+    (COMPLETIONS, {"guided_json": ref_chain(5000)}, "guided_json", '"$ref"'),
+    (COMPLETIONS, {"guided_grammar": rule_chain(5000)}, "guided_grammar", "guided_grammar must define at most 1024"),
+    (COMPLETIONS, {"structured_outputs": {"grammar": rule_chain(5000, gbnf=True)}}, "structured_outputs", "rules"),
+    (COMPLETIONS, {"guided_choice": [str(i) for i in range(2001)]}, "guided_choice",
+     "guided_choice must hold at most 1024 strings"),
+    (COMPLETIONS, {"guided_regex": "a" * (MAX_CONSTRAINT_CHARS + 1)}, "guided_regex", "characters"),
+    (CHAT, {"tools": [_chain_tool(5000)], "tool_choice": "required"}, "tools", '"$ref"'),
+    (CHAT, {"tools": [_chain_tool(5000)], "tool_choice": {"type": "function", "function": {"name": "deep"}}}, "tools",
+     '"$ref"'),
+])
+async def test_constraints_past_their_bounds_are_a_400_before_compiling(app, engine, path, fields, param, words):
+    body = {"messages": MESSAGES} if path == CHAT else {"prompt": "a b"}
+    r = await call(app, "POST", path, {**body, **fields})
+    assert r.status == 400, r.body
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert engine.submitted == [] and engine.prepared == []
 
 
 async def test_a_schema_the_engine_refuses_is_a_400_named_after_its_field(app, engine):
