@@ -110,10 +110,12 @@ class Scheduler:
         A rejected request changes nothing.
         """
         group = (request, *forks)
-        ids = [r.request_id for r in group]
-        for rid in ids:
-            if isinstance(rid, str) and (rid in self._requests or ids.count(rid) > 1):
+        seen: set[str] = set()
+        for member in group:  # O(len(group)): a set, never a count per id
+            rid = member.request_id
+            if isinstance(rid, str) and (rid in self._requests or rid in seen):
                 raise DuplicateRequestError(f"request {rid!r} is already in flight")
+            seen.add(rid)
         for member in group:
             check_admissible(member, self.config, self.kv_cache_manager)
         self._check_forks(request, forks)

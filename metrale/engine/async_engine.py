@@ -34,7 +34,8 @@ from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner, weights_dtype
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineUnavailableError,
-                            PromptTooLongError, RequestRejectedError, StructuredOutputUnavailableError)
+                            InvalidParamsError, PromptTooLongError, RequestRejectedError,
+                            StructuredOutputUnavailableError)
 from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import CompletionResult, EngineInfo, EngineStats
@@ -277,7 +278,11 @@ class AsyncEngine:
             await compiler.compile(params.structured_outputs)
 
     def _request_params(self, inputs: InputProcessor, params: SamplingParams | None) -> SamplingParams:
-        params = inputs.params(_checked_params(params))
+        params = _checked_params(params)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_num_seqs:  # before anything is built per sequence
+            raise InvalidParamsError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
+        params = inputs.params(params)
         if params.structured_outputs is not None:
             self._grammar_compiler().submit(params.structured_outputs)  # starts compiling now (cached)
         return params
