@@ -128,6 +128,11 @@ class RequestText:
         self._request_id = request_id
         self._failpoints = failpoints
 
+    @property
+    def has_stop_strings(self) -> bool:
+        """True when the request has stop strings to match."""
+        return self._stop_matcher is not None
+
     def push(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """Text of new ids, and whether a stop string matched (text after it is dropped). With
         `final` (the request ends with these ids) everything held back is released."""
