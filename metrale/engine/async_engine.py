@@ -54,6 +54,7 @@ DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_m
 WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
 WATCHDOG_FACTOR = 50.0
 OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
+OFF_LOOP_TEXT_PARAMS_CHARS = 256  # more bad words / stop strings are prepared on that thread (prepare)
 
 
 def _model_label(model: str | None) -> str:
@@ -269,7 +270,11 @@ class AsyncEngine:
         """Compile what `params` needs before `generate`/`chat` (a structured-output grammar), on the
         grammar thread; raises InvalidStructuredOutputError naming the problem, or
         StructuredOutputUnavailableError without the `metrale[structured]` extra. Optional: a request
-        submitted unprepared waits for its grammar when first scheduled and fails if it does not compile."""
+        submitted unprepared waits for its grammar when first scheduled and fails if it does not compile.
+        Bad words are tokenized and stop strings compiled here too, on a worker thread (cached for `generate`)."""
+        if _text_params_chars(params) > OFF_LOOP_TEXT_PARAMS_CHARS:
+            with self._counting_rejections():
+                await self._off_loop(self._accepting().prepare, params)
         if params.structured_outputs is None:
             return
         with self._counting_rejections():
@@ -475,6 +480,11 @@ async def collect_result(stream: RequestStream) -> CompletionResult:
     async with stream:
         outputs = [out async for out in stream]
     return CompletionResult.from_outputs(stream.request_id, outputs)
+
+
+def _text_params_chars(params: SamplingParams) -> int:
+    """Characters of bad words and stop strings: what tokenizing / compiling them scales with."""
+    return sum(map(len, params.bad_words or ())) + sum(map(len, params.stop_strings))
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams:
