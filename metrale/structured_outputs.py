@@ -18,6 +18,9 @@ items, so a choice among 2,000 fails at its first token):
     "$ref" in a schema (or a grammar's inline %json)              <= MAX_REFS      (a chain is no longer)
     rules and terminals defined in a grammar                       <= MAX_GRAMMAR_RULES
     choices                                                         <= MAX_CHOICES
+    optional properties of one object in a schema                  <= MAX_OPTIONAL_PROPERTIES
+        (llguidance puts 4 row items per optional property in one row: 499 compile, then fail at the
+        second token; required ones are generated in order and cost nothing there)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ MAX_CONSTRAINT_CHARS = 512 * 1024
 MAX_REFS = 1024
 MAX_GRAMMAR_RULES = 1024
 MAX_CHOICES = 1024
+MAX_OPTIONAL_PROPERTIES = 450
 # a Lark rule or terminal ("name:", "?name:", "NAME.2:", "name{x}:") or a GBNF rule ("name ::="), at a line start
 _RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*(?:\{[^}\n]*\})?[ \t]*(?::|::=)", re.MULTILINE)
 
@@ -111,7 +115,31 @@ def _schema_text(schema: Any) -> str:
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON schema (an object or a boolean), "
                          f"got {type(schema).__name__}")
-    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    text = jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    if len(text) <= MAX_CONSTRAINT_CHARS:  # a longer one is refused for its size
+        _check_optional_properties(schema)
+    return text
+
+
+def _check_optional_properties(schema: Any) -> None:
+    """Every object's optional properties within MAX_OPTIONAL_PROPERTIES (one pass, no recursion)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        properties = node.get("properties")
+        if isinstance(properties, dict) and len(properties) > MAX_OPTIONAL_PROPERTIES:
+            required = node.get("required")
+            required = {name for name in required if isinstance(name, str)} if isinstance(required, list) else set()
+            optional = sum(1 for name in properties if name not in required)
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                raise ValueError(f"structured_outputs.json: an object may have at most {MAX_OPTIONAL_PROPERTIES} "
+                                 f"optional properties (not in required), got {optional}")
+        stack.extend(node.values())
 
 
 def _choices(choice: Any) -> tuple[str, ...]:

@@ -95,7 +95,8 @@ class ToolPlan:
             if self.choice == "required":
                 return StructuredOutputs(json=required_schema(self.tools, self.parallel))
         except ValueError as error:  # past StructuredOutputs' bounds (size, "$ref" count)
-            raise bad_request(f"tools: {str(error).removeprefix('structured_outputs.json ')}", "tools") from None
+            message = str(error).removeprefix("structured_outputs.json").removeprefix(":").strip()
+            raise bad_request(f"tools: {message}", "tools") from None
         if self.constrains_output:  # generic
             try:
                 return StructuredOutputs(json=generic_tools.schema(self.tools, self.parallel, response))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from metrale.structured_outputs import (MAX_CHOICES, MAX_CONSTRAINT_CHARS, MAX_GRAMMAR_RULES, MAX_REFS,
-                                        StructuredOutputs)
+from metrale.structured_outputs import (MAX_CHOICES, MAX_CONSTRAINT_CHARS, MAX_GRAMMAR_RULES,
+                                        MAX_OPTIONAL_PROPERTIES, MAX_REFS, StructuredOutputs)
 
 
 def ref_chain(links: int) -> dict:
@@ -69,3 +69,18 @@ def test_choices_are_bounded_in_number_and_in_total_length():
     long = "y" * (MAX_CONSTRAINT_CHARS // 2 + 1)
     with pytest.raises(ValueError, match=f"at most {MAX_CONSTRAINT_CHARS} characters in all"):
         StructuredOutputs(choice=[long, long + "z"])
+
+
+def wide_object(optional: int, required: int = 0) -> dict:
+    names = [f"f{i}" for i in range(optional + required)]
+    return {"type": "object", "properties": {name: {"type": "string"} for name in names}, "required": names[optional:]}
+
+
+def test_optional_properties_of_one_object_are_bounded_wherever_it_sits():
+    # 499 optional properties compiled, then failed at the second token (a 500): llguidance's row limit
+    with pytest.raises(ValueError, match=f"at most {MAX_OPTIONAL_PROPERTIES} optional properties .*got 499"):
+        StructuredOutputs(json=wide_object(499))
+    nested = {"type": "array", "items": {"anyOf": [{"type": "null"}, {"$defs": {"x": wide_object(500)}}]}}
+    with pytest.raises(ValueError, match="got 500"):
+        StructuredOutputs(json=nested)
+    StructuredOutputs(json=wide_object(MAX_OPTIONAL_PROPERTIES, required=3000))  # required ones cost nothing there

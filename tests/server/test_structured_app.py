@@ -11,7 +11,7 @@ import pytest
 from metrale.errors import InvalidStructuredOutputError
 from metrale.server.app import ServerApp
 from metrale.structured_outputs import MAX_CONSTRAINT_CHARS, StructuredOutputs
-from tests.metrale.test_structured_outputs import ref_chain, rule_chain
+from tests.metrale.test_structured_outputs import ref_chain, rule_chain, wide_object
 from tests.server.fakes import FakeEngine, call
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -110,7 +110,11 @@ def _chain_tool(links: int) -> dict:
     (COMPLETIONS, {"guided_choice": [str(i) for i in range(2001)]}, "guided_choice",
      "guided_choice must hold at most 1024 strings"),
     (COMPLETIONS, {"guided_regex": "a" * (MAX_CONSTRAINT_CHARS + 1)}, "guided_regex", "characters"),
-    (CHAT, {"tools": [_chain_tool(5000)], "tool_choice": "required"}, "tools", '"$ref"'),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": wide_object(499)}}}, "response_format",
+     "response_format.json_schema.schema: an object may have at most 450 optional properties"),  # was a 500
+    (CHAT, {"tools": [_chain_tool(5000)], "tool_choice": "required"}, "tools", 'tools: must hold at most 1024 "$ref"'),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "wide", "parameters": wide_object(451)}}],
+            "tool_choice": "required"}, "tools", "tools: an object may have at most 450 optional properties"),
     (CHAT, {"tools": [_chain_tool(5000)], "tool_choice": {"type": "function", "function": {"name": "deep"}}}, "tools",
      '"$ref"'),
     # 100,000 bad words stalled every stream 3.8 s; 4 x 150,000 stop strings took a bystander from 2.9 s to 85 s

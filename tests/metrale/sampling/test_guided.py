@@ -238,6 +238,18 @@ def test_llguidance_row_limit_is_out_of_reach_of_the_largest_choice(compiler, to
     assert matcher.is_finished
 
 
+def test_the_widest_object_allowed_generates_past_the_row_limit(compiler, tokenizer):
+    from metrale.structured_outputs import MAX_OPTIONAL_PROPERTIES
+    from tests.metrale.test_structured_outputs import wide_object
+
+    schema = {**wide_object(MAX_OPTIONAL_PROPERTIES, required=1000), "additionalProperties": False}
+    matcher = compiler.submit(StructuredOutputs(json=schema)).result(timeout=60).new_matcher()
+    mask = np.zeros((1, compiler.mask_words), dtype=np.int32)
+    for token_id in tokenizer.encode('{"f0": "x", "f1": "y", "f2": "', add_special_tokens=False):
+        matcher.fill_bitmask(mask, 0)
+        assert matcher.accept(token_id), matcher.error
+
+
 def test_the_cache_is_bounded_by_estimated_bytes(tokenizer):
     specs = [StructuredOutputs(json={**PERSON, "title": f"person {i}"}) for i in range(10)]
     budget = 4 * guided.estimated_bytes(specs[0])
