@@ -133,7 +133,7 @@ async def test_one_failing_sequence_fails_the_request_cleanly(tiny_model):
 async def test_more_sequences_than_seats_is_refused_before_any_is_built(tiny_model, monkeypatch):
     async with AsyncEngine(config(tiny_model, max_num_seqs=4)) as engine:
         built = []
-        monkeypatch.setattr(engine._outputs, "new_request", lambda *args, **kwargs: built.append(args))
+        monkeypatch.setattr(engine._submission._outputs, "new_request", lambda *args, **kwargs: built.append(args))
         for n in (5, 10**6):  # 10**5 once took 440 s to refuse, building every sequence first
             with pytest.raises(InvalidParamsError, match=rf"n must be at most max_num_seqs \(4\), got {n}$"):
                 engine.generate(PROMPT, SamplingParams(max_tokens=2, n=n))
