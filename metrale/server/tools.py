@@ -88,11 +88,15 @@ class ToolPlan:
         return make_parser("json_list" if self.choice == "required" else self.fmt, self.tools)  # type: ignore[arg-type]
 
     def _constraint(self, response: dict[str, Any] | None = None) -> StructuredOutputs | None:
-        if self.choice == "named":
-            tool = next(t for t in self.tools if t["function"]["name"] == self.named)
-            return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
-        if self.choice == "required":
-            return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        try:
+            if self.choice == "named":
+                tool = next(t for t in self.tools if t["function"]["name"] == self.named)
+                return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
+            if self.choice == "required":
+                return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        except ValueError as error:  # past StructuredOutputs' bounds (size, "$ref" count)
+            message = str(error).removeprefix("structured_outputs.json").removeprefix(":").strip()
+            raise bad_request(f"tools: {message}", "tools") from None
         if self.constrains_output:  # generic
             try:
                 return StructuredOutputs(json=generic_tools.schema(self.tools, self.parallel, response))

