@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -192,6 +192,21 @@ async def _chat_prompt_ids(engine: EngineClient, request: protocol.ChatCompletio
     return await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request), plan, model_format),
                                        tools=plan.template_tools if plan is not None else None,
                                        **protocol.template_kwargs(request))
+
+
+async def read_whole(stream: Any, feed: Callable[[RequestOutput], Any]) -> RequestOutput:
+    """Feed every delta of a non-streamed response to `feed`; the last delta. A failed request is a 500, an
+    aborted one a 503 (the Anthropic and Ollama routes answer this way too)."""
+    last = None
+    try:
+        async for out in stream:
+            feed(out)
+            last = out
+    except RequestFailedError as error:
+        raise APIError(500, str(error), code="request_failed") from error
+    if last is None or last.finish_reason == "abort":
+        raise APIError(503, ABORTED, code="aborted")
+    return last
 
 
 async def prepare_params(engine: EngineClient, params: Any, source: str) -> None:

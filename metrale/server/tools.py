@@ -171,19 +171,10 @@ def mistral_id(call_id: Any) -> Any:
 def required_schema(tools: tuple[dict[str, Any], ...], parallel: bool) -> dict[str, Any]:
     """The JSON schema of tool_choice "required": a non-empty list of {"name", "parameters"} calls.
     Each tool's $defs move to the top, where its "#/$defs/..." references look for them."""
-    defs: dict[str, Any] = {}
-    variants = []
-    for tool in tools:
-        function = tool["function"]
-        parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)
-        for key in ("$defs", "definitions"):
-            for name, schema in (parameters.pop(key, None) or {}).items():
-                if defs.get(name, schema) != schema:
-                    raise bad_request(f"tools define $defs {name!r} twice, differently", "tools")
-                defs[name] = schema
-        variants.append({"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                                                          "parameters": parameters},
-                         "required": ["name", "parameters"], "additionalProperties": False})
+    try:
+        variants, defs = generic_tools.call_variants(tools, "parameters")
+    except ValueError as error:
+        raise bad_request(str(error), "tools") from error
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
     if not parallel:
         schema["maxItems"] = 1

@@ -16,15 +16,7 @@ import pytest
 from metrale.server import anthropic_protocol as ap
 from metrale.server.app import ServerApp
 from metrale.server.errors import APIError
-from tests.server.fakes import FakeEngine, call
-
-
-class WordEngine(FakeEngine):
-    """The scripted engine with a tokenizer: one token per word of the rendered messages."""
-
-    async def chat_token_ids(self, messages, tools=None, **template_kwargs):
-        text = await super().chat_token_ids(messages, tools, **template_kwargs)
-        return list(range(len(text.split())))
+from tests.server.fakes import FakeEngine, WordEngine, call
 
 
 @pytest.fixture
