@@ -179,18 +179,26 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise bad_request("invalid request body: JSON nested too deeply") from error
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completion request: a string or a list of token ids."""
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (OpenAI's batch form); bounded before any work
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: one string or token-id list, or a list of them (OpenAI's batch
+    form, which LangChain's `OpenAI().batch()` sends), at most MAX_PROMPTS, none empty."""
     prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
-            raise bad_request("prompt must be a string or a list of token ids; batched prompts are not "
-                              "supported, send one request per prompt", "prompt")
-    if not prompt:
+    if isinstance(prompt, str) or (prompt and all(type(t) is int for t in prompt)):
+        prompts: list[Any] = [prompt]
+    else:
+        prompts = prompt
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+        for item in prompts:
+            if not isinstance(item, (str, list)) or (isinstance(item, list) and
+                                                     not all(type(t) is int for t in item)):
+                raise bad_request("prompt must be a string, a list of token ids, or a list of either", "prompt")
+    if not prompts or not all(prompts):
         raise bad_request("prompt is empty", "prompt")
-    return prompt
+    return prompts
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
