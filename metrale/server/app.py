@@ -34,6 +34,7 @@ from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, clien
                                  send_error, send_json)
 from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
+from metrale.server.unknown_fields import UnknownFields
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -84,10 +85,18 @@ class ServerApp:
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
+        self._unknown_fields: UnknownFields | None = None
 
     @property
     def model_name(self) -> str:
         return self._served_model_name or self.engine.model_name
+
+    @property
+    def unknown_fields(self) -> UnknownFields:
+        """Counts the request fields no struct declares (made on first use: the model name is known by then)."""
+        if self._unknown_fields is None:
+            self._unknown_fields = UnknownFields(self.model_name)
+        return self._unknown_fields
 
     def health(self) -> str:
         """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
@@ -184,7 +193,7 @@ class ServerApp:
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
                        "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
-                       "reasoning_parser": self.reasoning_parser}
+                       "reasoning_parser": self.reasoning_parser, "unknown_fields": self.unknown_fields}
             if path == RESPONSES_PATH:
                 return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
@@ -228,7 +237,7 @@ class ServerApp:
         return self.startup_error is None and self.engine.max_model_len > 0
 
     async def _metrics(self, send: Send) -> None:
-        body = self.engine.metrics_exposition()
+        body = self.engine.metrics_exposition() + self.unknown_fields.exposition()
         if self._started:
             body += worker_api.vllm_gauges(self.engine.stats(), self.model_name)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])

@@ -29,6 +29,7 @@ from metrale.server import chat_output, protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, bad_request, from_engine_error
 from metrale.server.prompt_batch import PromptBatchStream
+from metrale.server.unknown_fields import UnknownFields
 from metrale.engine.protocol import EngineClient
 
 try:
@@ -105,14 +106,18 @@ class _Choice:
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
                  tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, unknown_fields: UnknownFields | None = None) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
     `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
     field, which also makes the response id), else the response id.
     `tool_call_format` overrides the format the engine reads from the model's chat template, and
     `reasoning_parser` its reasoning format ("none": reasoning stays in content);
-    `model_aliases` are other model ids answered as the served one."""
-    request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+    `model_aliases` are other model ids answered as the served one; `unknown_fields` counts the body's fields that
+    no struct declares."""
+    kind = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
+    request = protocol.decode(body, kind)
+    if unknown_fields is not None:
+        unknown_fields.check(body, kind, "/v1/chat/completions" if chat else "/v1/completions")
     call, stream = await open_stream(engine, served_model, request, default_max_tokens=default_max_tokens,
                                      request_id=request_id, tool_call_format=tool_call_format,
                                      model_aliases=model_aliases, reasoning_parser=reasoning_parser or "auto")
