@@ -18,6 +18,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from metrale.server import refusals
+from metrale.server.errors import from_decode_error
 
 logger = logging.getLogger(__name__)
 MAX_REMEMBERED = 256  # distinct names warned about; bounds the memory a stream of made-up names can take
@@ -26,7 +27,10 @@ MAX_NAME_CHARS = 64  # of a name as it appears in the log
 
 def unknown_names(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
     """The top-level keys of a JSON object body (already decoded as `kind`) that `kind` does not declare."""
-    keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])  # values are not parsed again
+    try:
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])  # values are not parsed again
+    except msgspec.DecodeError as error:  # e.g. a key that is not UTF-8, which the struct skipped unread
+        raise from_decode_error(error) from error
     declared = set(kind.__struct_fields__)
     return [key for key in keys if key not in declared]
 

@@ -74,3 +74,12 @@ def test_long_names_are_shortened_in_the_log(caplog):
     UnknownFields("m").note(["y" * 10_000], "/v1/chat/completions")
     (message,) = [rec.getMessage() for rec in caplog.records if rec.name == LOGGER]
     assert len(message) < 200 + unknown_fields.MAX_NAME_CHARS
+
+
+async def test_a_key_that_is_not_utf8_is_a_400():
+    """The struct skips an unknown key unread; reading the keys must not turn it into a 500."""
+    engine = FakeEngine()
+    r = await call(ServerApp(engine, manage_engine=False), "POST", COMPLETIONS,
+                   b'{"\xff\xfe\xc3max_tokens": 1, "prompt": "0"}')
+    assert r.status == 400, r.body
+    assert engine.submitted == []
