@@ -58,6 +58,8 @@ class ServerApp:
     reasoning_parser: how the model marks its reasoning (a metrale.text.reasoning format, or "none" to
         leave it in content); by default what the engine reads from the chat template.
     allowed_origins: origins browsers may call the API from ("*" for any; see cors.py).
+    vllm_metric_aliases: also serve the scheduler gauges under vLLM's names on /metrics (worker_api.py), for
+        routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
     """
@@ -67,7 +69,8 @@ class ServerApp:
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                 reasoning_parser: str | None = None, on_fatal: Callable[[], None] | None = None) -> None:
+                 reasoning_parser: str | None = None, on_fatal: Callable[[], None] | None = None,
+                 vllm_metric_aliases: bool = False) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -78,6 +81,7 @@ class ServerApp:
         self.reasoning_parser = reasoning_parser
         self.cors = CorsPolicy(tuple(allowed_origins))
         self.on_fatal = on_fatal
+        self.vllm_metric_aliases = vllm_metric_aliases
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
         self._served_model_name = served_model_name
@@ -238,7 +242,7 @@ class ServerApp:
 
     async def _metrics(self, send: Send) -> None:
         body = self.engine.metrics_exposition() + self.unknown_fields.exposition()
-        if self._started:
+        if self.vllm_metric_aliases and self._started:
             body += worker_api.vllm_gauges(self.engine.stats(), self.model_name)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
