@@ -60,6 +60,8 @@ class UnknownFields:
             return
         self._counter.inc(len(names))
         for name in names:
+            if name in refusals.ALIASES:
+                continue  # refused with a 400 that names it: the client is told, the log need not be
             shown = name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "..."  # what is remembered
             if shown in self._warned:
                 continue
