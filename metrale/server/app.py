@@ -180,7 +180,7 @@ class ServerApp:
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s) if method == "POST" else b""
             return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
                                        request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                       model_aliases=self.model_aliases)
+                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         self._authenticate(scope)
@@ -190,7 +190,7 @@ class ServerApp:
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
                                           request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                          model_aliases=self.model_aliases)
+                                          model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             if method != "POST":
                 raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
