@@ -25,6 +25,7 @@ from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
 from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
+from metrale.settings import RuntimeSettings
 from metrale.text.output_parsing import CHOOSABLE
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                       help="CORS: a comma list of origins browsers may call the API from, or * (default: none); "
                            "the API key is still required")
-    http.add_argument("--api-key", default=os.environ.get("METRALE_API_KEY"),
+    http.add_argument("--api-key", default=None,
                       help="require this bearer token on /v1/* (default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
     http.add_argument("--model-alias", action="append", default=None, metavar="NAME",
@@ -227,6 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
         collector(registry=registry)
     try:
         engine_cfg = engine_config(args)
+        settings = RuntimeSettings.resolve(engine_cfg, api_key=args.api_key)
         origins = parse_origins(args.allowed_origins)
         hosts = listen_hosts(args.host)
     except ValueError as error:  # a bad flag value: say which, no traceback
@@ -237,8 +239,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 1
-    engine = AsyncEngine(engine_cfg, registry=registry)
-    app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+    engine = AsyncEngine(engine_cfg, registry=registry, settings=settings)
+    app = ServerApp(engine, api_key=settings.api_key, served_model_name=args.served_model_name,
                     model_aliases=tuple(args.model_alias or ()),
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
