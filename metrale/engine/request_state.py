@@ -41,7 +41,7 @@ class RequestState:
     """Turns a request's new token ids into stream deltas through its RequestText."""
 
     __slots__ = ("request_id", "params", "channel", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens",
-                 "times", "_text", "_prompt_logprobs")
+                 "times", "num_preemptions", "group", "_text", "_prompt_logprobs")
 
     def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int, text: RequestText) -> None:
         self.request_id = request_id
@@ -51,6 +51,8 @@ class RequestState:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served, known when first scheduled
         self.times = RequestTimes()
+        self.num_preemptions = 0
+        self.group: tuple[str, int] | None = None  # parallel sampling: (the group's first id, n); None for n = 1
         self._text = text
         # one per prompt position (None at 0), filled chunk by chunk; sent with the first delta, then None
         self._prompt_logprobs: list[TokenLogprob | None] | None = \

@@ -34,6 +34,7 @@ from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, clien
                                  send_error, send_json)
 from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
+from metrale.server.unknown_fields import UnknownFields
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -57,6 +58,8 @@ class ServerApp:
     reasoning_parser: how the model marks its reasoning (a metrale.text.reasoning format, or "none" to
         leave it in content); by default what the engine reads from the chat template.
     allowed_origins: origins browsers may call the API from ("*" for any; see cors.py).
+    vllm_metric_aliases: also serve the scheduler gauges under vLLM's names on /metrics (worker_api.py), for
+        routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
     """
@@ -66,7 +69,8 @@ class ServerApp:
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                 reasoning_parser: str | None = None, on_fatal: Callable[[], None] | None = None) -> None:
+                 reasoning_parser: str | None = None, on_fatal: Callable[[], None] | None = None,
+                 vllm_metric_aliases: bool = False) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -77,6 +81,7 @@ class ServerApp:
         self.reasoning_parser = reasoning_parser
         self.cors = CorsPolicy(tuple(allowed_origins))
         self.on_fatal = on_fatal
+        self.vllm_metric_aliases = vllm_metric_aliases
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
         self._served_model_name = served_model_name
@@ -84,10 +89,18 @@ class ServerApp:
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
+        self._unknown_fields: UnknownFields | None = None
 
     @property
     def model_name(self) -> str:
         return self._served_model_name or self.engine.model_name
+
+    @property
+    def unknown_fields(self) -> UnknownFields:
+        """Counts the request fields no struct declares (made on first use: the model name is known by then)."""
+        if self._unknown_fields is None:
+            self._unknown_fields = UnknownFields(self.model_name)
+        return self._unknown_fields
 
     def health(self) -> str:
         """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
@@ -184,7 +197,7 @@ class ServerApp:
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
                        "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
-                       "reasoning_parser": self.reasoning_parser}
+                       "reasoning_parser": self.reasoning_parser, "unknown_fields": self.unknown_fields}
             if path == RESPONSES_PATH:
                 return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
@@ -228,8 +241,8 @@ class ServerApp:
         return self.startup_error is None and self.engine.max_model_len > 0
 
     async def _metrics(self, send: Send) -> None:
-        body = self.engine.metrics_exposition()
-        if self._started:
+        body = self.engine.metrics_exposition() + self.unknown_fields.exposition()
+        if self.vllm_metric_aliases and self._started:
             body += worker_api.vllm_gauges(self.engine.stats(), self.model_name)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 

@@ -108,6 +108,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--tool-call-parser", default=None, choices=CHOOSABLE,
                       help="how the model writes tool calls (default: read from its chat template; \"generic\" "
                            "when it shows none)")
+    http.add_argument("--vllm-metric-aliases", action="store_true",
+                      help="also serve vllm:num_requests_running|waiting and vllm:kv_cache_usage_perc on /metrics, "
+                           "for routers and gateways that read vLLM's names (metrale fleet turns it on)")
     http.add_argument("--reasoning-parser", default=None, choices=(*REASONING_FORMATS, "none"),
                       help="how the model marks its reasoning, split into reasoning_content (default: read "
                            "from its chat template; \"none\" leaves it in content)")
@@ -242,7 +245,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    allowed_origins=origins)
+                    allowed_origins=origins, vllm_metric_aliases=args.vllm_metric_aliases)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
                             lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,

@@ -121,7 +121,7 @@ async def test_request_id_names_the_request_and_the_response(app, engine):
     (CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", {"b": 1}]}, 400, "prompt"),  # a list of prompts is fine, not of objects
     (COMPLETIONS, {"prompt": "a", "model": "other"}, 404, "model"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),

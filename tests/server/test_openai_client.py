@@ -182,3 +182,14 @@ def test_n_choices_and_cached_tokens_through_the_client(client, model):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_a_list_of_prompts_as_the_openai_client_sends_it(client, model):
+    """OpenAI's batch form (LangChain's `OpenAI().batch()` sends it): choice i is prompt i, each the text that prompt
+    gets alone; usage sums the prompts."""
+    prompts = [f"{PROMPT} one", f"{PROMPT} and a second, longer one"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0) for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)

@@ -4,6 +4,9 @@ gauges on /metrics, and model aliases ("unknown" is what the router sends for a 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -76,7 +79,8 @@ async def test_info_routes_answer_503_until_loaded(engine):
     assert "vllm:" not in metrics  # no scheduler to alias yet
 
 
-async def test_metrics_carry_vllm_named_gauges(app, engine):
+async def test_metrics_carry_vllm_named_gauges_when_asked(engine):
+    app = ServerApp(engine, manage_engine=False, served_model_name="tiny-chat", vllm_metric_aliases=True)
     engine.stats = lambda: _stats(running=3, waiting=7, kv_blocks_free=75, kv_usage=0.25)
     r = await call(app, "GET", "/metrics")
     assert r.status == 200
@@ -112,3 +116,14 @@ async def test_router_rewritten_chat_body_is_accepted(app, engine):
     r = await call(app, "POST", "/v1/chat/completions", body)
     assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert engine.submitted[-1][1].max_tokens == 3
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (scripts/setup.sh installs it)")
+async def test_default_metrics_pass_promtool_and_the_aliases_are_off(app, engine):
+    """`promtool check metrics` exits 3 on the `vllm:` names (a colon is for recording rules), so the aliases are
+    served only with --vllm-metric-aliases (metrale fleet sets it for its replicas)."""
+    await call(app, "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 2, "unknown_knob": 1})
+    body = (await call(app, "GET", "/metrics")).body
+    assert b"vllm:" not in body and b"metrale_request_unknown_fields_total" in body
+    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
