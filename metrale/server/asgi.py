@@ -42,14 +42,20 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+MAX_REQUEST_ID_CHARS = 128
+# Printable ASCII without spaces (no forged log lines): X-Request-Id and the body's request_id.
+# "(?!\\n)": Python's $ also matches before a final newline.
+REQUEST_ID_PATTERN = "^[!-~]+$(?!\\n)"
+
+
 def client_request_id(scope: Scope) -> str | None:
     """The client's X-Request-Id (printable ASCII, at most 128 characters), or None; 400 if malformed."""
     value = header(scope, b"x-request-id")
     if value is None:
         return None
-    if not value or len(value) > 128 or not all(0x21 <= b < 0x7F for b in value):
-        raise APIError(400, "X-Request-Id must be 1 to 128 printable ASCII characters without spaces",
-                       param="x-request-id", reject_reason="invalid_request")
+    if not value or len(value) > MAX_REQUEST_ID_CHARS or not all(0x21 <= b < 0x7F for b in value):
+        raise APIError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                       "without spaces", param="x-request-id", reject_reason="invalid_request")
     return value.decode()
 
 

@@ -17,9 +17,13 @@ import msgspec
 
 from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
+from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# The body's request_id, bounded like X-Request-Id (it names log lines and the response id)
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
+                                        description="printable ASCII without spaces, like X-Request-Id")]
 
 
 class StreamOptions(msgspec.Struct):
@@ -92,7 +96,7 @@ class _SamplingFields(_Refusable, kw_only=True):
     guided_grammar: str | None = None
     user: str | None = None  # accepted: an end-user id for the caller's records, it changes nothing here
     prompt_logprobs: Int64 | None = None
-    request_id: str | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
+    request_id: RequestId | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
     best_of: Int64 | None = None  # honoured when it equals n; more is refused
 
 

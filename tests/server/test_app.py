@@ -117,6 +117,13 @@ async def test_request_id_names_the_request_and_the_response(app, engine):
     (COMPLETIONS, {"prompt": "a", "n": 2, "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "a", "request_id": "ok\nINFO forged log line"}, 400, "request_id"),
+    (COMPLETIONS, {"prompt": "a", "request_id": "abc\n"}, 400, "request_id"),
+    (CHAT, {"messages": MESSAGES, "request_id": "x" * 100_000}, 400, "request_id"),
+    (CHAT, {"messages": MESSAGES, "request_id": "with space"}, 400, "request_id"),
+    (CHAT, {"messages": MESSAGES, "request_id": ""}, 400, "request_id"),
+    *((CHAT, {"messages": MESSAGES, "logit_bias": {key: 1}}, 400, "logit_bias")
+      for key in ("+5", " 5", "5 ", "1_0", "\u0665", "-1", "0x5", "5\n", "1" * 11)),
     (CHAT, {"messages": MESSAGES, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
