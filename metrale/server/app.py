@@ -9,6 +9,10 @@
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
 
+Before any route: a Host this server does not answer (hosts.py, DNS rebinding) or an Origin that may
+not call it (cors.py) is a 403; with an API key, every route but /health and /metrics needs it; POST
+bodies must be JSON (415 otherwise: no preflight-free text/plain or form bodies).
+
 Hand-written rather than a framework: a dozen routes, msgspec bodies, and direct control of the
 ASGI `receive` channel, which the disconnect watcher needs. With `manage_engine` the app starts the
 engine in the background at lifespan startup (so /health answers 503 "loading" meanwhile) and
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import logging
 import time
 from typing import Any, Callable
@@ -27,22 +32,25 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
 from metrale.server import completions, responses, worker_api
-from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
-                                 send_error, send_json)
+from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, header, read_body,
+                                 require_json, send_bytes, send_error, send_json)
 from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
+from metrale.server.hosts import HostPolicy
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 RESPONSES_PATH = "/v1/responses"
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (probes and scrapers send none)
+_BEARER = re.compile(rb"bearer +(\S+) *", re.IGNORECASE)  # RFC 7235: the scheme is case-insensitive
 
 
 class ServerApp:
     """ASGI app serving `engine` (any metrale.engine.protocol.EngineClient, e.g. an AsyncEngine) over
     OpenAI's HTTP API.
 
-    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (/health, /metrics stay open).
+    api_key: when set, every route but /health and /metrics requires `Authorization: Bearer <api_key>`.
     served_model_name: the model id clients use; the engine's model name by default.
     model_aliases: other model ids requests may name (answered as the served model), e.g. "unknown",
         which sglang-router sends for a chat request without "model".
@@ -51,7 +59,8 @@ class ServerApp:
     body_timeout_s: a request body that has not fully arrived after this long gets a 408.
     tool_call_parser: how the model writes tool calls (a metrale.text.tool_parsers format); by default
         what the engine reads from the model's chat template.
-    allowed_origins: origins browsers may call the API from ("*" for any; see cors.py).
+    allowed_origins: origins browsers may call the API from ("*" for any; see cors.py); others get 403.
+    allowed_hosts: the Host headers answered (hosts.py); by default loopback names and IP addresses.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
     """
@@ -61,7 +70,7 @@ class ServerApp:
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 allowed_hosts: HostPolicy | None = None, on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -70,6 +79,7 @@ class ServerApp:
         self.manage_engine = manage_engine
         self.tool_call_parser = tool_call_parser
         self.cors = CorsPolicy(tuple(allowed_origins))
+        self.hosts = allowed_hosts if allowed_hosts is not None else HostPolicy()
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
         self._api_key = api_key.encode() if api_key else None
@@ -109,6 +119,9 @@ class ServerApp:
             raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self._refusal(scope)
+        if refusal is not None:  # no CORS headers: the page learns nothing
+            return await send_error(send, refusal)
         started = False
         cors_headers = self.cors.response_headers(scope) if self.cors else []
         if self.cors and self.cors.is_preflight(scope):
@@ -139,8 +152,20 @@ class ServerApp:
                 raise
             await send_error(tracked_send, APIError(500, "internal server error", code="internal_error"))
 
+    def _refusal(self, scope: Scope) -> APIError | None:
+        """A 403 for a Host this server does not answer or an Origin that may not call it; else None."""
+        if not self.hosts.allows(header(scope, b"host")):
+            return APIError(403, "this server does not answer requests for this Host (see --allowed-hosts)",
+                            param="host", code="host_not_allowed")
+        if self.cors.refuses(scope):
+            return APIError(403, "requests from this Origin are not allowed (see --allowed-origins)",
+                            param="origin", code="origin_not_allowed")
+        return None
+
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        if path not in OPEN_PATHS:
+            self._authenticate(scope)
         if path == "/health":
             return await self._only(method, "GET", self._health(send))
         if path == "/metrics":
@@ -149,10 +174,10 @@ class ServerApp:
             return await self._only(method, "GET", self._worker_info(path, send))
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
-        self._authenticate(scope)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             if method != "POST":
                 raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
+            require_json(scope)
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
                        "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases}
@@ -181,8 +206,8 @@ class ServerApp:
         if self._api_key is None:
             return
         for key, value in scope["headers"]:
-            if key == b"authorization" and value.startswith(b"Bearer ") and \
-                    hmac.compare_digest(value[len(b"Bearer "):], self._api_key):
+            token = _BEARER.fullmatch(value) if key == b"authorization" else None
+            if token is not None and hmac.compare_digest(token.group(1), self._api_key):
                 return
         raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                        code="invalid_api_key")

@@ -59,6 +59,21 @@ def client_request_id(scope: Scope) -> str | None:
     return value.decode()
 
 
+def require_json(scope: Scope) -> None:
+    """415 unless the body is declared JSON (application/json, any +json type) or not declared at all.
+
+    text/plain, form and multipart bodies are what a web page may POST without a CORS preflight: they are
+    never parsed as JSON."""
+    declared = header(scope, b"content-type")
+    if declared is None:
+        return
+    media_type = declared.partition(b";")[0].strip().lower()
+    if media_type != b"application/json" and not (media_type.startswith(b"application/")
+                                                   and media_type.endswith(b"+json")):
+        raise APIError(415, f"Content-Type must be application/json, got {declared[:60].decode('latin-1')!r}",
+                       param="content-type", code="unsupported_media_type", reject_reason="invalid_request")
+
+
 async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float | None = None) -> bytes:
     """The whole request body; APIError 413 as soon as it is known to exceed `limit` bytes, 408 when
     it has not all arrived after `timeout_s` (a client that trickles a body holds no slot forever)."""

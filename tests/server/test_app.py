@@ -189,6 +189,45 @@ async def test_api_key(engine):
     assert (await call(app, "GET", "/metrics")).status == 200
 
 
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("GET", "/v1/models/fake-model"),
+                                              ("POST", CHAT), ("POST", "/v1/responses"), ("GET", "/server_info"),
+                                              ("GET", "/get_model_info"), ("GET", "/get_load"), ("GET", "/nope"),
+                                              ("GET", "/openapi.json")])
+async def test_every_route_but_health_and_metrics_needs_the_key(engine, method, path):
+    app = ServerApp(engine, manage_engine=False, api_key="sekret")
+    r = await call(app, method, path, {"messages": MESSAGES})
+    assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("authorization", ["Bearer sekret", "bearer sekret", "BEARER sekret", "Bearer  sekret"])
+async def test_the_auth_scheme_is_case_insensitive(engine, authorization):
+    app = ServerApp(engine, manage_engine=False, api_key="sekret")
+    assert (await call(app, "GET", "/v1/models", headers={"Authorization": authorization})).status == 200
+
+
+@pytest.mark.parametrize("authorization", ["sekret", "Basic sekret", "Bearer sekret2", "Bearersekret", "Bearer",
+                                           "Bearer sekret extra"])
+async def test_other_credentials_are_refused(engine, authorization):
+    app = ServerApp(engine, manage_engine=False, api_key="sekret")
+    assert (await call(app, "GET", "/v1/models", headers={"Authorization": authorization})).status == 401
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/xml", "text/json"])
+async def test_bodies_not_declared_json_are_415(app, engine, content_type):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES}, headers={"content-type": content_type})
+    assert r.status == 415 and r.json()["error"]["param"] == "content-type"
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json", "Application/JSON; charset=utf-8",
+                                          "application/vnd.api+json"])
+async def test_json_bodies_are_served(app, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    assert (await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 1}, headers=headers)).status == 200
+
+
 async def test_routes(app):
     models = (await call(app, "GET", "/v1/models")).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
