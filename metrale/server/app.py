@@ -5,6 +5,7 @@
     GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
                                  what routers read from a replica: see worker_api.py
     GET  /v1/models[/{id}]       the one served model
+    GET  /openapi.json           the routes and request bodies as OpenAPI 3.1 (see openapi.py)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
@@ -22,8 +23,6 @@ shuts it down at lifespan shutdown.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import re
 import logging
 import time
 from typing import Any, Callable
@@ -31,9 +30,10 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import completions, responses, worker_api
-from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, header, read_body,
-                                 require_json, send_bytes, send_error, send_json)
+from metrale.server import completions, openapi, responses, worker_api
+from metrale.server.access import AccessControl, MethodNotAllowed
+from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
+                                 send_bytes, send_error, send_json)
 from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
 from metrale.server.hosts import HostPolicy
@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 RESPONSES_PATH = "/v1/responses"
-OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (probes and scrapers send none)
-_BEARER = re.compile(rb"bearer +(\S+) *", re.IGNORECASE)  # RFC 7235: the scheme is case-insensitive
 
 
 class ServerApp:
@@ -79,15 +77,15 @@ class ServerApp:
         self.manage_engine = manage_engine
         self.tool_call_parser = tool_call_parser
         self.cors = CorsPolicy(tuple(allowed_origins))
-        self.hosts = allowed_hosts if allowed_hosts is not None else HostPolicy()
+        self.access = AccessControl(api_key, self.cors, allowed_hosts if allowed_hosts is not None else HostPolicy())
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
-        self._api_key = api_key.encode() if api_key else None
         self._served_model_name = served_model_name
         self.model_aliases = tuple(model_aliases)
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
+        self._openapi_document: dict[str, Any] | None = None
 
     @property
     def model_name(self) -> str:
@@ -119,7 +117,7 @@ class ServerApp:
             raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refusal = self._refusal(scope)
+        refusal = self.access.refusal(scope)
         if refusal is not None:  # no CORS headers: the page learns nothing
             return await send_error(send, refusal)
         started = False
@@ -152,31 +150,22 @@ class ServerApp:
                 raise
             await send_error(tracked_send, APIError(500, "internal server error", code="internal_error"))
 
-    def _refusal(self, scope: Scope) -> APIError | None:
-        """A 403 for a Host this server does not answer or an Origin that may not call it; else None."""
-        if not self.hosts.allows(header(scope, b"host")):
-            return APIError(403, "this server does not answer requests for this Host (see --allowed-hosts)",
-                            param="host", code="host_not_allowed")
-        if self.cors.refuses(scope):
-            return APIError(403, "requests from this Origin are not allowed (see --allowed-origins)",
-                            param="origin", code="origin_not_allowed")
-        return None
-
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        if path not in OPEN_PATHS:
-            self._authenticate(scope)
+        self.access.authenticate(scope)
         if path == "/health":
-            return await self._only(method, "GET", self._health(send))
+            return await self._only(scope, self._health(send))
         if path == "/metrics":
-            return await self._only(method, "GET", self._metrics(send))
+            return await self._only(scope, self._metrics(send))
         if path in worker_api.INFO_PATHS:
-            return await self._only(method, "GET", self._worker_info(path, send))
+            return await self._only(scope, self._worker_info(path, send))
+        if path == "/openapi.json":
+            return await self._only(scope, send_json(send, 200, self._openapi()))
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             if method != "POST":
-                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
+                raise MethodNotAllowed(path, method, "POST")
             require_json(scope)
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
@@ -186,31 +175,21 @@ class ServerApp:
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
                                             send, receive, **options)
         if path == "/v1/models":
-            return await self._only(method, "GET", send_json(send, 200, {"object": "list",
-                                                                         "data": [self._model_card()]}))
+            return await self._only(scope, send_json(send, 200, {"object": "list", "data": [self._model_card()]}))
         if path.startswith("/v1/models/"):
             model = path.removeprefix("/v1/models/")
             if model != self.model_name and model not in self.model_aliases:
                 raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-            return await self._only(method, "GET", send_json(send, 200, self._model_card()))
+            return await self._only(scope, send_json(send, 200, self._model_card()))
         raise APIError(404, f"no route for {path}", code="not_found")
 
     @staticmethod
-    async def _only(method: str, allowed: str, response: Any) -> None:
-        if method != allowed:
+    async def _only(scope: Scope, response: Any) -> None:
+        """Send a GET route's `response` (a coroutine), or a 405 for any other method."""
+        if scope["method"] != "GET":
             response.close()  # never awaited: release the coroutine
-            raise APIError(405, f"method {method} not allowed; use {allowed}", code="method_not_allowed")
+            raise MethodNotAllowed(scope["path"], scope["method"], "GET")
         await response
-
-    def _authenticate(self, scope: Scope) -> None:
-        if self._api_key is None:
-            return
-        for key, value in scope["headers"]:
-            token = _BEARER.fullmatch(value) if key == b"authorization" else None
-            if token is not None and hmac.compare_digest(token.group(1), self._api_key):
-                return
-        raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                       code="invalid_api_key")
 
     async def _health(self, send: Send) -> None:
         state = self.health()
@@ -238,6 +217,11 @@ class ServerApp:
         else:
             body = worker_api.load(self.engine.stats(), info)
         await send_json(send, 200, body)
+
+    def _openapi(self) -> dict[str, Any]:
+        if self._openapi_document is None:
+            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
+        return self._openapi_document
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",

@@ -238,7 +238,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
                     tool_call_parser=args.tool_call_parser, allowed_origins=origins, allowed_hosts=host_policy)
-    config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
+    config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto",
+                            http=deadline_protocol(args.header_timeout),
                             lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,
                             log_level="info", log_config=None)

@@ -11,7 +11,7 @@ metrale.server.structured, tools in metrale.server.tools.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -19,11 +19,15 @@ from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
 from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
+from metrale.text.chat_template import ROLES
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # The body's request_id, bounded like X-Request-Id (it names log lines and the response id)
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
                                         description="printable ASCII without spaces, like X-Request-Id")]
+NonEmpty = msgspec.Meta(min_length=1)  # also in /openapi.json, so that a fuzzer gets past it
+MAX_N = 128  # choices per request, OpenAI's own limit: n sizes per-sequence work before any other check
+ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -70,7 +74,7 @@ class _SamplingFields(_Refusable, kw_only=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int64 = 1
+    n: ChoiceCount = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
@@ -97,13 +101,13 @@ class _SamplingFields(_Refusable, kw_only=True):
     user: str | None = None  # accepted: an end-user id for the caller's records, it changes nothing here
     prompt_logprobs: Int64 | None = None
     request_id: RequestId | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
-    best_of: Int64 | None = None  # honoured when it equals n; more is refused
+    best_of: ChoiceCount | None = None  # honoured when it equals n; more is refused
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/completions."""
 
-    prompt: str | list[Any]
+    prompt: Annotated[str, NonEmpty] | Annotated[list[Any], NonEmpty]
     max_tokens: Int64 | None = 16
     echo: bool = False
     suffix: str | None = None
@@ -116,7 +120,7 @@ class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]  # the roles chat templates know, also in /openapi.json
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
@@ -126,7 +130,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], NonEmpty]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False

@@ -114,6 +114,8 @@ async def test_request_id_names_the_request_and_the_response(app, engine):
     (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, "top_p"),
     (COMPLETIONS, {"prompt": "a", "seed": 2**70}, 400, "seed"),
     (COMPLETIONS, {"prompt": "a", "n": 0}, 400, "n"),
+    (COMPLETIONS, {"prompt": "a", "n": 2**63 - 2}, 400, "n"),  # built n sequences' state first: ran out of memory
+    (CHAT, {"messages": MESSAGES, "n": 129}, 400, "n"),
     (COMPLETIONS, {"prompt": "a", "n": 2, "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
@@ -135,7 +137,7 @@ async def test_request_id_names_the_request_and_the_response(app, engine):
     (CHAT, {"messages": [123]}, 400, "messages[0]"),
     (CHAT, {"messages": [{}]}, 400, "messages[0]"),
     (CHAT, {"messages": [{"role": 123}]}, 400, "messages[0].role"),
-    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
 ])

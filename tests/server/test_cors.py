@@ -58,7 +58,8 @@ async def test_without_allowed_origins_other_origins_are_refused_before_anything
 
 async def test_a_disallowed_origin_is_refused_on_every_route():
     served = app((ORIGIN,))
-    for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+    for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                         ("POST", "/v1/chat/completions")):
         r = await call(served, method, path, headers={"origin": "https://evil.example", **KEY})
         assert r.status == 403 and "access-control-allow-origin" not in r.headers, path
 

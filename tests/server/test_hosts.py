@@ -19,7 +19,8 @@ def test_the_loopback_default_answers_loopback_names_and_addresses(host):
     assert HostPolicy.for_listen(["127.0.0.1"], None).allows(None if host is None else host.encode())
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.1.evil.example",
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example",
+                                  "127.0.0.1.evil.example",
                                   "", ":8000", "localhost:80x", "[::1", "[::1]x", "loc\xe4lhost", "*"])
 def test_the_loopback_default_refuses_other_names_and_malformed_hosts(host):
     assert not HostPolicy.for_listen(["127.0.0.1", "::1"], None).allows(host.encode("latin-1"))
@@ -62,8 +63,9 @@ def test_loopback_addresses():
 async def test_a_rebound_host_is_refused_before_anything_runs(path):
     engine = FakeEngine()
     app = ServerApp(engine, manage_engine=False)  # the embedded default: the loopback policy
-    r = await call(app, "POST" if path == "/v1/completions" else "GET", path, BODY, headers={"host": "evil.example:8000"})
+    method = "POST" if path == "/v1/completions" else "GET"
+    r = await call(app, method, path, BODY, headers={"host": "evil.example:8000"})
     assert r.status == 403 and r.json()["error"]["code"] == "host_not_allowed"
     assert engine.submitted == []
-    r = await call(app, "POST" if path == "/v1/completions" else "GET", path, BODY, headers={"host": "127.0.0.1:8000"})
+    r = await call(app, method, path, BODY, headers={"host": "127.0.0.1:8000"})
     assert r.status == 200
