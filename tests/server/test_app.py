@@ -236,8 +236,10 @@ async def test_routes(app):
     assert (await call(app, "GET", "/v1/models/fake-model")).json()["max_model_len"] == 64
     assert (await call(app, "GET", "/v1/models/x")).status == 404
     assert (await call(app, "GET", "/nope")).status == 404
-    assert (await call(app, "GET", COMPLETIONS)).status == 405
-    assert (await call(app, "POST", "/health")).status == 405
+    wrong_method = await call(app, "GET", COMPLETIONS)
+    assert wrong_method.status == 405 and wrong_method.headers["allow"] == "POST"  # RFC 9110
+    wrong_method = await call(app, "DELETE", "/health")
+    assert wrong_method.status == 405 and wrong_method.headers["allow"] == "GET"
     health = await call(app, "GET", "/health")
     assert health.status == 200 and health.json() == {"status": "serving"}
     metrics = await call(app, "GET", "/metrics")
