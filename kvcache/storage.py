@@ -83,14 +83,22 @@ class PagedKVCache:
         n_kv_heads: int,
         head_dim: int,
         dtype: mx.Dtype = mx.float32,
+        *,
+        shared_bytes_per_block: int = 0,
     ) -> PagedKVCache:
-        """The largest cache whose pools fit in `budget_bytes`; ValueError if not even one block fits."""
-        per_block = cls.bytes_per_block(num_layers, block_size, n_kv_heads, head_dim, dtype)
+        """The largest cache whose pools fit in `budget_bytes`; ValueError if not even one block fits.
+
+        `shared_bytes_per_block`: what each block costs in other pools that hold as many blocks and share
+        the budget (a draft model's), so that all of them together fit.
+        """
+        own = cls.bytes_per_block(num_layers, block_size, n_kv_heads, head_dim, dtype)
+        per_block = own + shared_bytes_per_block
         num_blocks = int(budget_bytes) // per_block
         if num_blocks < 1:
+            shared = f" + {shared_bytes_per_block} bytes in pools sharing the budget" if shared_bytes_per_block else ""
             raise ValueError(
                 f"KV budget of {budget_bytes} bytes holds no block: one block of {block_size} tokens "
-                f"costs {per_block} bytes ({num_layers} layers x K,V x {n_kv_heads} heads x {head_dim} x {dtype})"
+                f"costs {own} bytes ({num_layers} layers x K,V x {n_kv_heads} heads x {head_dim} x {dtype}){shared}"
             )
         return cls(num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype)
 

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 import msgspec
+
+from scheduler.request import FinishReason
+
+__all__ = ["CompletionResult", "EngineInfo", "EngineState", "EngineStats", "FinishReason", "RequestOutput",
+           "TokenLogprob", "Usage"]
+
+
+class EngineState(enum.StrEnum):
+    """What `health()` reports. A str: `state == "serving"` holds, and /health writes its value."""
+
+    LOADING = "loading"
+    SERVING = "serving"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"  # the engine died, or a step has been stuck far longer than usual
+    STOPPED = "stopped"
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
@@ -20,19 +36,21 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     """One delta of a request's stream: what is new since the previous delta.
 
     Deltas a slow consumer did not pick up in time are merged, so `token_ids` may hold several
-    tokens. `finish_reason` is set only on the last delta ("stop" | "length" | "abort" | "error").
+    tokens. `finish_reason` is set only on the last delta (a FinishReason, a str: "stop" | "length" | "abort" |
+    "error").
     """
 
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative, including this delta
     logprobs: list[TokenLogprob] | None = None
     index: int = 0  # which of the request's n output sequences (parallel sampling)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta; None for the first token
+    stop_reason: str | int | None = None  # on the last delta: the stop string or stop token id that matched
 
     @property
     def finished(self) -> bool:
@@ -45,6 +63,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
         self.finish_reason = later.finish_reason
         self.num_output_tokens = later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
+        self.stop_reason = later.stop_reason
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
         if later.logprobs is not None:
@@ -66,7 +85,7 @@ class CompletionResult(msgspec.Struct, frozen=True):
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
 
@@ -75,7 +94,7 @@ class CompletionResult(msgspec.Struct, frozen=True):
         """Join one request's stream deltas, in order (the last one carries finish_reason)."""
         token_ids = [t for out in outputs for t in out.token_ids]
         logprobs = [lp for out in outputs if out.logprobs for lp in out.logprobs]
-        finish_reason = next((out.finish_reason for out in reversed(outputs) if out.finish_reason), "abort")
+        finish_reason = next((out.finish_reason for out in reversed(outputs) if out.finish_reason), FinishReason.ABORT)
         num_prompt_tokens = outputs[-1].num_prompt_tokens if outputs else 0
         return cls(request_id=request_id, text="".join(out.text for out in outputs), token_ids=token_ids,
                    finish_reason=finish_reason, usage=Usage(num_prompt_tokens, len(token_ids)),

@@ -7,12 +7,13 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import (DuplicateRequestError, EmptyPromptError, InvalidParamsError, InvalidPriorityError,
                               InvalidTokenIdError, PromptTooLongError, QueueFullError, RequestRejectedError)
 from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
-from scheduler.request import Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "DuplicateRequestError",
     "EmptyPromptError",
+    "FinishReason",
     "InvalidParamsError",
     "InvalidPriorityError",
     "InvalidTokenIdError",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvcache.manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (EmptyPromptError, InvalidParamsError, InvalidPriorityError, InvalidTokenIdError,
@@ -69,3 +71,18 @@ def _check_lengths(request: Request) -> None:
         raise InvalidParamsError(
             f"request {rid!r}: min_tokens must be in 0..max_tokens ({max_tokens}), got {min_tokens}"
         )
+
+
+def check_forks(request: Request, forks: Sequence[Request], config: SchedulerConfig) -> None:
+    """Raise InvalidParamsError unless `forks` can fork from `request` (parallel sampling): its prompt,
+    no output yet, and every sequence of the group able to run at once."""
+    if 1 + len(forks) > config.max_num_seqs:
+        raise InvalidParamsError(
+            f"request {request.request_id!r}: {1 + len(forks)} sequences, but at most max_num_seqs "
+            f"({config.max_num_seqs}) run at once"
+        )
+    for fork in forks:
+        if fork.prompt_token_ids != request.prompt_token_ids or fork.num_output_tokens:
+            raise InvalidParamsError(
+                f"request {fork.request_id!r} must have the prompt of {request.request_id!r} to fork from it"
+            )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.request import FinishReason
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
@@ -69,13 +71,13 @@ class RequestEvent:
     Attributes:
         request_id: the request.
         new_token_ids: tokens appended by this event (empty for a finish without a token).
-        finish_reason: "stop" | "length" | "abort" | "error", or None while it runs.
+        finish_reason: why it ended, or None while it runs.
         stop_token_id: the eos or stop token id that ended it, if one did.
     """
 
     request_id: str
     new_token_ids: tuple[int, ...]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
 
     @property

@@ -8,6 +8,15 @@ import time
 from collections.abc import Iterable, Sequence
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request ended. A str: `reason == "stop"` holds, and it is written as its value at the API edge."""
+
+    STOP = "stop"  # eos, a stop token id, a stop string or a complete grammar
+    LENGTH = "length"  # max_tokens (or the context) reached
+    ABORT = "abort"  # cancelled by the client or the engine
+    ERROR = "error"  # a step failed for this request
+
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
 
@@ -25,26 +34,23 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
     @property
-    def finish_reason(self) -> str | None:
-        """"stop" | "length" | "abort" | "error" for finished statuses, else None."""
+    def finish_reason(self) -> FinishReason | None:
+        """The reason of a finished status, else None."""
         return _FINISH_REASONS.get(self)
 
     @classmethod
-    def from_finish_reason(cls, reason: str) -> RequestStatus:
-        """The finished status for "stop" | "length" | "abort" | "error"."""
-        for status, name in _FINISH_REASONS.items():
-            if name == reason:
-                return status
-        raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(_REASONS)}")
+    def finished_with(cls, reason: FinishReason) -> RequestStatus:
+        """The finished status for `reason`."""
+        return _FINISHED_STATUSES[FinishReason(reason)]
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
-_REASONS = frozenset(_FINISH_REASONS.values())
+_FINISHED_STATUSES = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
 class Request:
@@ -59,10 +65,10 @@ class Request:
     runs, num_computed_tokens < num_tokens before each step. `priority`: lower values are served
     first under the "priority" policy (vLLM's convention); ignored under "fcfs".
 
-    Speculation: before a step the engine may propose draft tokens to follow the last known one,
-    `spec_token_ids` (or, when the runner's proposer makes them, only their count `num_spec_tokens`).
-    The scheduler computes them with the last token when the budget and the blocks allow, then clears
-    both; `update` keeps the accepted ones and rolls num_computed_tokens back over the rejected ones:
+    Speculation: before a step the engine may give the scheduler draft tokens to follow the last
+    known one (Scheduler.update_draft_token_ids; they are never stored here). The scheduler computes
+    them with the last token when the budget and the blocks allow; `update` keeps the accepted ones
+    and rolls num_computed_tokens back over the rejected ones:
 
         | known tokens ... x_L | d1 d2 d3 |        step: computes x_L d1 d2 d3 (1 + k positions)
         | known ... x_L d1 d2 t |               2 drafts accepted, t = the target's own next token
@@ -76,7 +82,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "max_tokens", "eos_token_ids", "stop_token_ids",
         "ignore_eos", "min_tokens", "priority", "arrival_time", "cache_salt",
-        "num_computed_tokens", "status", "num_preemptions", "spec_token_ids", "num_spec_tokens",
+        "num_computed_tokens", "status", "num_preemptions",
         "num_cached_tokens", "skip_reading_prefix_cache", "_all_token_ids",
     )
 
@@ -108,8 +114,6 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        self.spec_token_ids: tuple[int, ...] = ()  # drafts proposed for the next step
-        self.num_spec_tokens = 0  # how many drafts (== len(spec_token_ids) unless the runner proposes them)
         self.num_cached_tokens = -1  # prefix-cache hits at the first admission
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         # prompt + output in one list: all_token_ids is on the per-step path and must be O(1).
@@ -141,6 +145,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def stop_status(self, token: int) -> RequestStatus | None:
+        """The finished status once `token` (just appended) is output, or None while it goes on. A stop
+        wins over length when both hold; min_tokens holds back eos and stop ids only."""
+        if self.num_output_tokens >= self.min_tokens and (
+            token in self.stop_token_ids or (not self.ignore_eos and token in self.eos_token_ids)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def append_output_token(self, token_id: int) -> None:
         """Append one sampled token (the scheduler's update does this)."""

@@ -24,11 +24,13 @@ from typing import Any
 
 from kvcache.manager import KVCacheManager
 from scheduler.config import SchedulerConfig
-from scheduler.admission import check_admissible
-from scheduler.errors import DuplicateRequestError, InvalidParamsError, QueueFullError
+from scheduler.admission import check_admissible, check_forks
+from scheduler.errors import DuplicateRequestError, QueueFullError
 from scheduler.forks import PendingForks
 from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
+from scheduler.integrity import check_integrity
 from scheduler.queue import WaitingQueue, make_waiting_queue
+from scheduler.samples import collect_samples
 from scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -74,6 +76,7 @@ class Scheduler:
         self._waiting: WaitingQueue = make_waiting_queue(config.policy)
         self._forks = PendingForks()  # children waiting for their parent's prompt
         self._pending_copies: dict[str, list[tuple[int, int]]] = {}  # child id -> its block copies, for the next step
+        self._drafts: dict[str, tuple[int, ...] | int] = {}  # for the next schedule() only
         self.num_preemptions = 0  # total over the scheduler's life
 
     @property
@@ -111,12 +114,15 @@ class Scheduler:
         """
         group = (request, *forks)
         ids = [r.request_id for r in group]
-        for rid in ids:
-            if isinstance(rid, str) and (rid in self._requests or ids.count(rid) > 1):
+        seen: set[str] = set()
+        for rid in ids:  # one pass: n sequences cost O(n)
+            if isinstance(rid, str) and (rid in self._requests or rid in seen):
                 raise DuplicateRequestError(f"request {rid!r} is already in flight")
+            if isinstance(rid, str):
+                seen.add(rid)
         for member in group:
             check_admissible(member, self.config, self.kv_cache_manager)
-        self._check_forks(request, forks)
+        check_forks(request, forks, self.config)
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(
                 f"waiting queue is full ({len(self._waiting)} of {self.config.max_waiting} "
@@ -126,30 +132,28 @@ class Scheduler:
         self._waiting.push(request)
         self._forks.add(request.request_id, list(forks))
 
-    def _check_forks(self, request: Request, forks: Sequence[Request]) -> None:
-        if 1 + len(forks) > self.config.max_num_seqs:
-            raise InvalidParamsError(
-                f"request {request.request_id!r}: {1 + len(forks)} sequences, but at most max_num_seqs "
-                f"({self.config.max_num_seqs}) run at once"
-            )
-        for fork in forks:
-            if fork.prompt_token_ids != request.prompt_token_ids or fork.num_output_tokens:
-                raise InvalidParamsError(
-                    f"request {fork.request_id!r} must have the prompt of {request.request_id!r} to fork from it"
-                )
+    def update_draft_token_ids(self, drafts: Mapping[str, Sequence[int] | int]) -> None:
+        """Drafts for the next `schedule()` only (vLLM's pattern): per running request, the draft
+        token ids to follow its last known token, or (an int) how many the runner's proposer makes.
+        A request gets its drafts when it is a one-token decode and the budget and free blocks allow;
+        otherwise it is scheduled as a plain decode and they are dropped. A later call before that
+        step replaces the drafts of the requests it names."""
+        self._drafts.update((rid, d if isinstance(d, int) else tuple(map(operator.index, d))) for rid, d in drafts.items())
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step and advance num_computed_tokens of every scheduled request."""
         num_new: dict[str, int] = {}  # request id -> tokens this step; running first, then admitted
         preempted: list[Request] = []
-        budget = self._schedule_running(num_new, preempted, self.config.max_num_batched_tokens)
+        drafts, self._drafts = self._drafts, {}
+        budget = self._schedule_running(num_new, preempted, drafts, self.config.max_num_batched_tokens)
+        drafts = {rid: d for rid, d in drafts.items() if rid in num_new}  # scheduled with them, nobody else
         if not preempted:  # blocks are short: admitting now would only preempt again
             self._schedule_waiting(num_new, budget)
-        return self._build_output(num_new, preempted)
+        return self._build_output(num_new, preempted, drafts)
 
-    def _schedule_running(
-        self, num_new: dict[str, int], preempted: list[Request], budget: int
-    ) -> int:
+    def _schedule_running(self, num_new: dict[str, int], preempted: list[Request],
+                          drafts: dict[str, tuple[int, ...] | int], budget: int) -> int:
+        """Schedule running requests; `drafts` keeps only the drafts of those scheduled with them."""
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
@@ -157,11 +161,13 @@ class Scheduler:
             if n <= 0:  # nothing left to compute (update() not called for its last step)
                 i += 1
                 continue
-            if self._schedule_drafts(req, n, budget):
+            k = self._schedule_drafts(req, n, budget, drafts.get(req.request_id, 0))
+            if k:
                 num_new[req.request_id] = n
-                budget -= n + req.num_spec_tokens
+                budget -= n + k
                 i += 1
                 continue
+            drafts.pop(req.request_id, None)
             scheduled = True
             while self.kv_cache_manager.allocate_slots(req, n) is None:
                 victim = self._preempt_last()  # index >= i: req itself or not scheduled yet
@@ -175,22 +181,19 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _schedule_drafts(self, req: Request, n: int, budget: int) -> bool:
-        """Schedule a decode with its drafts when the budget and free blocks allow; else drop the
-        drafts (the request is then scheduled as a plain decode) and return False."""
-        k = req.num_spec_tokens
-        if not k:
-            return False
-        if n == 1 and 1 + k <= budget and self.kv_cache_manager.allocate_slots(req, 1, num_lookahead_tokens=k) is not None:
-            return True
-        req.spec_token_ids, req.num_spec_tokens = (), 0
-        return False
+    def _schedule_drafts(self, req: Request, n: int, budget: int, drafts: tuple[int, ...] | int) -> int:
+        """Schedule a decode with its k drafts when the budget and free blocks allow: returns k, or 0
+        (the request is then scheduled as a plain decode)."""
+        k = drafts if isinstance(drafts, int) else len(drafts)
+        if k and n == 1 and 1 + k <= budget and \
+                self.kv_cache_manager.allocate_slots(req, 1, num_lookahead_tokens=k) is not None:
+            return k
+        return 0
 
     def _preempt_last(self) -> Request:
         """Preempt the lowest-priority, latest-arrived running request (the list's last)."""
         req = self._running.pop()
         self.kv_cache_manager.free(req.request_id)
-        req.spec_token_ids, req.num_spec_tokens = (), 0
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # recompute prompt + output so far
         req.num_preemptions += 1
@@ -236,12 +239,15 @@ class Scheduler:
             if copies:
                 self._pending_copies[child.request_id] = copies
 
-    def _build_output(self, num_new: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+    def _build_output(self, num_new: dict[str, int], preempted: list[Request],
+                      drafts: dict[str, tuple[int, ...] | int]) -> SchedulerOutput:
         scheduled = []
         for rid, n in num_new.items():
             req = self._requests[rid]
             start = req.num_computed_tokens
             end = start + n
+            draft = drafts.get(rid, 0)
+            k = draft if isinstance(draft, int) else len(draft)
             scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
@@ -249,13 +255,11 @@ class Scheduler:
                     start_position=start,
                     block_table=self.kv_cache_manager.block_ids(rid),
                     samples=end == req.num_tokens,
-                    num_draft_tokens=req.num_spec_tokens,
-                    draft_token_ids=req.spec_token_ids,
+                    num_draft_tokens=k,
+                    draft_token_ids=() if isinstance(draft, int) else draft,
                 )
             )
-            req.num_computed_tokens = end + req.num_spec_tokens  # drafts rolled back in update()
-        for req in self._running:  # drafts are this step's (scheduled) or stale next step (not scheduled)
-            req.spec_token_ids, req.num_spec_tokens = (), 0
+            req.num_computed_tokens = end + k  # drafts rolled back in update()
         # a child preempted before its copy ran has freed the copy's block: its copy is dropped
         copies = tuple(c for rid, pairs in self._pending_copies.items() if self._requests.get(rid) is not None
                        and self._requests[rid].status is _RUNNING for c in pairs)
@@ -281,7 +285,7 @@ class Scheduler:
             One event per request that got a token, in schedule order; a finish event's request
             has already been freed. Finishes made through `finish()` are not repeated here.
         """
-        pending = self._collect_samples(output, sampled)  # validates everything before mutating
+        pending = collect_samples(output, sampled, self._requests)  # validates everything before mutating
         events = []
         any_finished = False
         for req, num_drafts, tokens in pending:
@@ -293,7 +297,7 @@ class Scheduler:
             for token in tokens:  # a stop inside an accepted run ends the request there
                 req.append_output_token(token)
                 appended.append(token)
-                status = self._stop_status(req, token)
+                status = req.stop_status(token)
                 if status is not None:
                     break
             if status is None:
@@ -306,47 +310,6 @@ class Scheduler:
         if any_finished:  # one pass, not one list.remove per finished request
             self._running = [r for r in self._running if r.status is _RUNNING]
         return events
-
-    def _collect_samples(
-        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
-    ) -> list[tuple[Request, int, tuple[int, ...]]]:
-        pending = []
-        missing = []
-        for s in output.scheduled:
-            if not s.samples:
-                continue
-            req = self._requests.get(s.request_id)
-            if req is None or req.status is not _RUNNING:
-                continue  # finished (or finished and re-added) since schedule()
-            end = s.start_position + len(s.token_ids)
-            if req.num_computed_tokens != end + s.num_draft_tokens or req.num_tokens != end:
-                raise RuntimeError(
-                    f"request {s.request_id!r}: stale output, chunk ends at {end} (+{s.num_draft_tokens} "
-                    f"drafts) but {req.num_computed_tokens} computed of {req.num_tokens} tokens"
-                )
-            if s.request_id not in sampled:
-                missing.append(s.request_id)
-                continue
-            value = sampled[s.request_id]
-            tokens = (operator.index(value),) if not isinstance(value, Sequence) else tuple(map(operator.index, value))
-            if not 1 <= len(tokens) <= s.num_draft_tokens + 1:
-                raise ValueError(f"request {s.request_id!r}: {len(tokens)} tokens for {s.num_draft_tokens} drafts "
-                                 f"(expected 1 to {s.num_draft_tokens + 1})")
-            pending.append((req, s.num_draft_tokens, tokens))
-        if missing:
-            raise ValueError(f"no sampled token for {len(missing)} requests: {missing[:8]}")
-        return pending
-
-    @staticmethod
-    def _stop_status(req: Request, token: int) -> RequestStatus | None:
-        # A stop wins over length when both hold; min_tokens holds back eos and stop ids only.
-        if req.num_output_tokens >= req.min_tokens and (
-            token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids)
-        ):
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish(self, request_id: str, status: RequestStatus, *, discard_cached: bool | None = None) -> RequestEvent | None:
         """End a request with a finished status and free its blocks: the one free path.
@@ -384,34 +347,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise RuntimeError with the numbers if scheduler or KV accounting is inconsistent."""
-        running, waiting, forks = self._running, list(self._waiting), list(self._forks)
-        if len(running) > self.config.max_num_seqs:
-            raise RuntimeError(f"{len(running)} running > max_num_seqs {self.config.max_num_seqs}")
-        if len(running) + len(waiting) + len(forks) != len(self._requests):
-            raise RuntimeError(
-                f"running {len(running)} + waiting {len(waiting)} + forking {len(forks)} "
-                f"!= {len(self._requests)} requests"
-            )
-        for child in forks:
-            parent = self._requests.get(self._forks.parent_of(child.request_id) or "")
-            if parent is None or child.status is not RequestStatus.WAITING or child.num_computed_tokens:
-                raise RuntimeError(f"request {child!r} waits to fork from {parent!r}")
-        bs = self.config.block_size
-        for req in running + waiting + forks:
-            if self._requests.get(req.request_id) is not req:
-                raise RuntimeError(f"request {req.request_id!r} is queued twice or not registered")
-            table = self.kv_cache_manager.block_table(req.request_id)
-            if req.status is _RUNNING and len(table) * bs < req.num_computed_tokens:
-                raise RuntimeError(
-                    f"request {req.request_id!r}: {len(table)} blocks for "
-                    f"{req.num_computed_tokens} computed tokens"
-                )
-        for req in running:
-            if req.status is not _RUNNING:
-                raise RuntimeError(f"request {req.request_id!r} is running with {req.status.name}")
-        for req in waiting + forks:
-            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or (
-                req.num_computed_tokens or self.kv_cache_manager.block_table(req.request_id)
-            ):
-                raise RuntimeError(f"waiting request {req!r} holds state it should not")
-        self.kv_cache_manager.check_integrity(self._requests.keys())
+        check_integrity(self.config, self._requests, self._running, list(self._waiting), self._forks,
+                        self.kv_cache_manager)

@@ -23,15 +23,19 @@ FLOORS = {
     "metrale.failpoints": 3, "metrale.speculative.config": 3,
     "metrale.text": 4, "metrale.sampling": 4, "metrale.models": 4, "metrale.speculative": 4,
     "metrale.loading": 5,
-    "metrale.distributed": 6,
-    "metrale.engine": 7,
-    "metrale.server": 8, "metrale.bench": 8, "metrale.cli": 9, "metrale.demo": 8,
+    # the step message is the engine's contract; tensor parallelism uses it, and only a TP engine uses that room
+    "metrale.engine.step": 6,
+    "metrale.distributed": 7,
+    "metrale.engine": 8,
+    "metrale.server": 9, "metrale.bench": 9, "metrale.cli": 10, "metrale.demo": 9,
 }
 # What the server may take from the engine room: its typed interface and the stream it returns.
 SERVER_ENGINE_API = ("metrale.engine.protocol", "metrale.engine.stream")
 MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcache.manager", "metrale",
             "metrale.config", "metrale.errors", "metrale.outputs", "metrale.sampling_params", "metrale.models",
-            "metrale.text", "metrale.text.tokenizer", "metrale.text.gguf_vocab", "metrale.text.chat_template",
+            "metrale.text", "metrale.text.tokenizer", "metrale.text.gguf_vocab", "metrale.text.gguf_pretokenizers",
+            "metrale.text.gguf_sentencepiece", "metrale.text.gguf_wordpiece", "metrale.text.gguf_special_tokens",
+            "metrale.text.chat_template",
             "metrale.text.detokenizer", "metrale.text.stop", "metrale.text.processor", "metrale.engine",
             "metrale.engine.protocol", "metrale.engine.stream", "metrale.server", "metrale.server.app",
             "metrale.server.completions", "metrale.structured_outputs", "metrale.text.tool_parsers",
@@ -133,6 +137,14 @@ def test_unknown_public_name_is_an_attribute_error(name):
 
     with pytest.raises(AttributeError, match="nope"):
         getattr(metrale, name.split(".")[1])
+
+
+def test_a_one_rank_engine_never_imports_the_distributed_room():
+    code = ("import sys, metrale.engine.async_engine, metrale.engine.runner, metrale.engine.core\n"
+            "print(sorted(m for m in sys.modules if m.startswith('metrale.distributed')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]
 
 
 def test_the_grammar_engine_is_imported_only_when_a_grammar_is_compiled():

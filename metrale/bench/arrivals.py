@@ -39,6 +39,26 @@ def arrival_offsets(num_requests: int, request_rate: float = math.inf, burstines
     return offsets
 
 
+def ramp_offsets(num_requests: int, start_rate: float, end_rate: float, strategy: str = "linear",
+                 seed: int = 0) -> list[float]:
+    """Send times for a rate that ramps from `start_rate` to `end_rate` req/s over the run (vLLM's
+    --ramp-up-strategy linear | exponential): request i arrives after an exponential gap at the rate of its
+    place in the run, so a sweep of load levels fits in one run."""
+    if not (0 < start_rate < math.inf and 0 < end_rate < math.inf):
+        raise ValueError(f"ramp-up rates must be positive and finite, got {start_rate} -> {end_rate}")
+    if strategy not in ("linear", "exponential"):
+        raise ValueError(f"ramp-up strategy must be linear or exponential, got {strategy!r}")
+    rng = random.Random(seed)
+    offsets, now = [], 0.0
+    for i in range(num_requests):
+        offsets.append(now)
+        progress = i / max(1, num_requests - 1)
+        rate = (start_rate + (end_rate - start_rate) * progress if strategy == "linear"
+                else start_rate * (end_rate / start_rate) ** progress)
+        now += rng.expovariate(rate)
+    return offsets
+
+
 def describe(request_rate: float, burstiness: float, max_concurrency: int | None) -> str:
     """A short human label for an arrival setting, e.g. "poisson 0.5 req/s, max 8 in flight"."""
     if math.isinf(request_rate):

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import random
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -22,8 +23,15 @@ DESCRIPTION = """Load-test metrale in process, or any OpenAI-compatible server w
     metrale bench --dataset chat --chat-system-len 300
     metrale bench --request-rate 1 --goodput ttft:500 tpot:100   # + requests meeting both SLOs
     metrale bench --dataset sharegpt --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json
+    metrale bench --dataset prefix_repetition --prefix-repetition-num-prefixes 4   # the prefix cache at work
+    metrale bench --dataset custom --dataset-path prompts.jsonl      # {"prompt": ..., "output_tokens": N} lines
+    metrale bench --duration 120 --max-concurrency 8                # stop sending after 120 s
+    metrale bench --ramp-up-strategy linear --ramp-up-start-rps 0.5 --ramp-up-end-rps 8 --num-prompts 200
+    metrale bench --compare http://127.0.0.1:8000 http://127.0.0.1:8080   # two servers, alternating, B/A ratios
     metrale bench --soak --soak-duration 600 --request-rate 1   # 20% cancelled, RSS + KV blocks, PASS/FAIL
 
+Each run draws fresh prompts (a new --seed, printed) so that a second run does not measure a warm prefix
+cache; give --seed to repeat one, and the summary says how many prompt tokens the server took from its cache.
 Arrivals as in vLLM bench: --request-rate inf sends all at once, otherwise gamma gaps with shape
 --burstiness (1 = Poisson); --max-concurrency caps requests in flight. Results: a console table, a
 JSON file with vLLM's field names and PNG plots under --result-dir.
@@ -43,6 +51,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench flags: target, workload, arrivals, output, soak."""
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: the engine in process)")
+    target.add_argument("--compare", nargs=2, default=None, metavar=("URL_A", "URL_B"),
+                        help="two OpenAI-compatible servers: every setting runs on A then B, then a table of B / A")
     target.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
     target.add_argument("--api-key", default=None)
     target.add_argument("--model", default=None, help="in process: GGUF file or model folder (default model)")
@@ -50,8 +60,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="in process (default: the largest --max-concurrency, at least 64)")
     target.add_argument("--max-num-batched-tokens", type=int, default=512)
     work = parser.add_argument_group("workload")
-    work.add_argument("--dataset", choices=("random", "chat", "sharegpt"), default="random")
-    work.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    work.add_argument("--dataset", choices=("random", "chat", "prefix_repetition", "sharegpt", "custom"),
+                      default="random")
+    work.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file, or the custom JSONL file")
     work.add_argument("--num-prompts", type=int, default=32)
     work.add_argument("--random-input-len", type=int, default=128)
     work.add_argument("--random-output-len", type=int, default=128)
@@ -59,14 +70,23 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--chat-system-len", type=int, default=256, help="words in the shared system prompt")
     work.add_argument("--chat-user-len", type=int, default=32, help="words in each user message")
     work.add_argument("--sharegpt-output-len", type=int, default=None)
+    work.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="words in each shared prefix")
+    work.add_argument("--prefix-repetition-suffix-len", type=int, default=32, help="words after the prefix")
+    work.add_argument("--prefix-repetition-num-prefixes", type=int, default=4)
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--seed", type=int, default=None, help="the workload's seed (default: a fresh one per run)")
     load = parser.add_argument_group("arrivals")
     load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="req/s; inf = all at once")
     load.add_argument("--burstiness", type=float, default=1.0)
     load.add_argument("--max-concurrency", type=int, nargs="+", default=[None])
     load.add_argument("--num-warmups", type=int, default=2)
+    load.add_argument("--duration", type=float, default=None, help="seconds: stop sending after this long "
+                      "(--num-prompts is then the most that can be sent)")
+    load.add_argument("--ramp-up-strategy", choices=("linear", "exponential"), default=None,
+                      help="the request rate ramps from --ramp-up-start-rps to --ramp-up-end-rps over the run")
+    load.add_argument("--ramp-up-start-rps", type=float, default=None)
+    load.add_argument("--ramp-up-end-rps", type=float, default=None)
     out = parser.add_argument_group("output")
     out.add_argument("--result-dir", default="bench-results")
     out.add_argument("--result-filename", default=None, help="JSON file name (default: from target and time)")
@@ -87,9 +107,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run `metrale bench`; returns the exit code (1 when any request failed or the soak failed)."""
-    if args.dataset == "sharegpt" and not args.dataset_path:
-        print("metrale bench: --dataset sharegpt needs --dataset-path", file=sys.stderr)
+    if args.dataset in ("sharegpt", "custom") and not args.dataset_path:
+        print(f"metrale bench: --dataset {args.dataset} needs --dataset-path", file=sys.stderr)
         return 2
+    if args.ramp_up_strategy is not None and (args.ramp_up_start_rps is None or args.ramp_up_end_rps is None):
+        print("metrale bench: --ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps", file=sys.stderr)
+        return 2
+    if args.compare and (args.base_url or args.soak):
+        print("metrale bench: --compare takes the two servers itself; leave out --base-url and --soak", file=sys.stderr)
+        return 2
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2**31)
+        print(f"metrale bench: workload seed {args.seed} (--seed {args.seed} repeats it)")
     if args.soak and args.base_url:
         print("metrale bench: --soak runs in process; leave out --base-url", file=sys.stderr)
         return 2
@@ -136,40 +165,78 @@ def make_requests(args: argparse.Namespace, engine: Any, num: int, seed: int, ma
     if args.dataset == "chat":
         return workloads.chat_requests(num, args.chat_system_len, args.chat_user_len, out_len, seed=seed,
                                        range_ratio=args.random_range_ratio)
+    count = (lambda text: len(engine.tokenizer.encode(text))) if engine is not None else workloads.estimate_tokens
     if args.dataset == "sharegpt":
-        count = (lambda text: len(engine.tokenizer.encode(text))) if engine is not None else workloads.estimate_tokens
         output_len = args.sharegpt_output_len if max_output is None else max_output
         return workloads.load_sharegpt(args.dataset_path, num, seed=seed, count_tokens=count, output_len=output_len)
+    if args.dataset == "custom":
+        return workloads.load_custom(args.dataset_path, num, out_len, seed=seed, count_tokens=count)
+    if args.dataset == "prefix_repetition":
+        return workloads.prefix_repetition_requests(num, args.prefix_repetition_prefix_len,
+                                                    args.prefix_repetition_suffix_len,
+                                                    args.prefix_repetition_num_prefixes, out_len, seed=seed)
     vocab = engine.vocab_size if engine is not None else None
     return workloads.random_requests(num, args.random_input_len, out_len, seed=seed,
                                      range_ratio=args.random_range_ratio, vocab_size=vocab)
 
 
 async def _bench(args: argparse.Namespace) -> int:
+    from metrale.bench.report import format_comparison, format_sweep
+
+    if args.compare:
+        from metrale.bench.targets import OpenAITarget
+
+        url_a, url_b = args.compare
+        async with OpenAITarget(url_a, model=args.served_model, api_key=args.api_key, temperature=args.temperature,
+                                ignore_eos=args.ignore_eos) as a, \
+                OpenAITarget(url_b, model=args.served_model, api_key=args.api_key, temperature=args.temperature,
+                             ignore_eos=args.ignore_eos) as b:
+            results = await _runs(args, [a, b], None)
+        pairs = list(zip(results[::2], results[1::2]))
+        print(format_comparison(pairs, (url_a, url_b)))
+    else:
+        async with open_target(args) as (target, engine):
+            results = await _runs(args, [target], engine)
+        if len(results) > 1:
+            print(format_sweep(results))
+    if not args.no_save:
+        _save(args, results, "compare" if args.compare else results[0]["backend"])
+    return 1 if any(r["failed"] for r in results) else 0
+
+
+async def _runs(args: argparse.Namespace, targets: list[Any], engine: Any) -> list[dict[str, Any]]:
+    """One run per setting (rate x concurrency) on each target in turn, the same prompts for every target."""
     from metrale.bench.arrivals import describe
     from metrale.bench.loadgen import BenchSettings, run_benchmark
-    from metrale.bench.report import format_result, format_sweep
+    from metrale.bench.report import format_result
 
+    ramp = (args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps) if args.ramp_up_strategy else None
+    levels = [(rate, conc) for conc in args.max_concurrency for rate in args.request_rate]
     results = []
-    async with open_target(args) as (target, engine):
-        levels = [(rate, conc) for conc in args.max_concurrency for rate in args.request_rate]
-        for i, (rate, conc) in enumerate(levels):
-            settings = BenchSettings(request_rate=rate, burstiness=args.burstiness, max_concurrency=conc,
-                                     seed=args.seed + i)
+    for i, (rate, conc) in enumerate(levels):
+        settings = BenchSettings(request_rate=rate, burstiness=args.burstiness, max_concurrency=conc,
+                                 seed=args.seed + i, duration_s=args.duration, ramp_up=ramp)
+        requests = make_requests(args, engine, args.num_prompts, args.seed + i)
+        for target in targets:
             warm = make_requests(args, engine, args.num_warmups, args.seed + 10_000 + i, max_output=16) \
                 if args.num_warmups and i == 0 else []
-            requests = make_requests(args, engine, args.num_prompts, args.seed + i)
-            label = args.label or f"{target.name} {args.dataset}, {describe(rate, args.burstiness, conc)}"
+            arrivals = f"ramp {ramp[0]} {ramp[1]:g}->{ramp[2]:g} req/s" if ramp else describe(rate, args.burstiness, conc)
+            label = args.label or f"{target.name} {args.dataset}, {arrivals}"
             result = await run_benchmark(target, requests, settings, warmups=warm, label=label,
                                          percentiles=args.percentiles, show_progress=not args.no_progress,
-                                         slos=args.slos, extra={"dataset": args.dataset})
+                                         slos=args.slos, extra={"dataset": args.dataset, "workload_seed": args.seed + i})
             print(format_result(result), flush=True)
+            _warn_if_warm(args, result)
             results.append(result)
-    if len(results) > 1:
-        print(format_sweep(results))
-    if not args.no_save:
-        _save(args, results, target.name)
-    return 1 if any(r["failed"] for r in results) else 0
+    return results
+
+
+def _warn_if_warm(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Random prompts should meet a cold cache; a high hit rate means an earlier run with the same seed warmed it."""
+    if args.dataset == "random" and result.get("prefix_cache_hit_rate", 0.0) > 0.1:
+        print(f"metrale bench: warning: {result['prefix_cache_hit_rate']:.0%} of the prompt tokens came from the "
+              "server's prefix cache (the same --seed ran before?); the TTFT above is a warm-cache figure",
+              file=sys.stderr)
 
 
 def _save(args: argparse.Namespace, results: list[dict[str, Any]], backend: str) -> None:

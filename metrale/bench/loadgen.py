@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from metrale.bench.arrivals import arrival_offsets
+from metrale.bench.arrivals import arrival_offsets, ramp_offsets
 from metrale.bench.stats import DEFAULT_PERCENTILES, GoodputSLOs, RequestRecord, details, summarize
 from metrale.bench.progress import Progress
 from metrale.bench.targets import Target
@@ -36,10 +36,21 @@ class BenchSettings:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     seed: int = 0
+    duration_s: float | None = None  # stop sending after this long (the workload is the upper bound)
+    ramp_up: tuple[str, float, float] | None = None  # (linear | exponential, start req/s, end req/s)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+
+    def offsets(self, num_requests: int) -> list[float]:
+        """When each request is sent, in seconds after the start."""
+        if self.ramp_up is not None:
+            strategy, start, end = self.ramp_up
+            return ramp_offsets(num_requests, start, end, strategy, self.seed)
+        return arrival_offsets(num_requests, self.request_rate, self.burstiness, self.seed)
 
 
 async def measure(target: Target, request: BenchRequest, record: RequestRecord,
@@ -59,6 +70,8 @@ async def measure(target: Target, request: BenchRequest, record: RequestRecord,
                     record.prompt_len = chunk.prompt_tokens
                 if chunk.completion_tokens is not None:
                     record.output_tokens = chunk.completion_tokens
+                if chunk.cached_tokens is not None:
+                    record.cached_tokens = chunk.cached_tokens
                 if cancel_after_tokens is not None and record.output_tokens >= cancel_after_tokens:
                     record.cancelled = True
                     break
@@ -75,25 +88,35 @@ async def measure(target: Target, request: BenchRequest, record: RequestRecord,
 
 async def run_requests(target: Target, requests: Sequence[BenchRequest], settings: BenchSettings = BenchSettings(),
                        progress: Progress | None = None) -> tuple[list[RequestRecord], float]:
-    """Send every request on the schedule; returns (records in workload order, duration in s)."""
-    offsets = arrival_offsets(len(requests), settings.request_rate, settings.burstiness, settings.seed)
+    """Send every request on the schedule (until settings.duration_s, when set); returns (the records of the
+    requests sent, in workload order, and the duration in s)."""
+    offsets = settings.offsets(len(requests))
     limit = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
     records = [RequestRecord(prompt_len=r.prompt_len) for r in requests]
+    start = time.perf_counter()
+    deadline = start + settings.duration_s if settings.duration_s is not None else math.inf
+    sent: list[RequestRecord] = []
 
     async def one(request: BenchRequest, record: RequestRecord) -> None:
         async with limit if limit is not None else contextlib.nullcontext():
+            if time.perf_counter() >= deadline:
+                return  # its slot came after the end of a duration-bounded run: never sent
+            sent.append(record)
             await measure(target, request, record)
         if progress is not None:
             progress.done(record.ok, record.output_tokens)
 
-    start = time.perf_counter()
     tasks = []
     for request, record, offset in zip(requests, records, offsets):
+        if start + offset >= deadline:
+            break
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(request, record)))
     await asyncio.gather(*tasks)
+    sent_ids = {id(r) for r in sent}
+    records = [r for r in records if id(r) in sent_ids]
     duration = max((r.end for r in records), default=start) - start
     if progress is not None:
         progress.close()
@@ -117,7 +140,7 @@ async def run_benchmark(target: Target, requests: Sequence[BenchRequest], settin
     records, duration = await run_requests(target, requests, settings, progress)
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "backend": target.name, "label": label, "num_prompts": len(requests), "num_warmups": len(warmups),
+        "backend": target.name, "label": label, "num_prompts": len(records), "num_warmups": len(warmups),
         **{k: v for k, v in asdict(settings).items() if k != "seed"},
         "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         **(extra or {}),

@@ -43,6 +43,8 @@ def format_result(result: dict[str, Any], title: str = "Serving Benchmark Result
               _row("Benchmark duration (s):", result["duration"]),
               _row("Total input tokens:", result["total_input_tokens"]),
               _row("Total generated tokens:", result["total_output_tokens"]),
+              _row("Prompt tokens from the prefix cache:",
+                   f"{result.get('total_cached_tokens', 0)} ({result.get('prefix_cache_hit_rate', 0.0):.0%})"),
               _row("Request throughput (req/s):", result["request_throughput"])]
     if "request_goodput" in result:
         slos = " ".join(f"{k}:{v:g}" for k, v in result["goodput_slos_ms"].items())
@@ -83,6 +85,23 @@ def format_sweep(results: Sequence[dict[str, Any]]) -> str:
                      f"{r['output_throughput']:>10.1f} {r.get('p99_ttft_ms', 0.0):>12.0f} "
                      f"{r.get('p99_tpot_ms', 0.0):>12.0f} {r.get('p99_itl_ms', 0.0):>11.0f} "
                      f"{r.get('p99_e2el_ms', 0.0):>12.0f}")
+    return "\n".join(lines)
+
+
+def format_comparison(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]], names: tuple[str, str]) -> str:
+    """One line per setting of a two-server comparison: each side's output throughput and latencies, and B / A."""
+    a, b = names
+    lines = [f"A = {a}", f"B = {b}",
+             f"{'setting':<28} {'A out tok/s':>11} {'B out tok/s':>11} {'B/A':>6} {'A p50 TTFT':>10} {'B p50 TTFT':>10} "
+             f"{'B/A':>6} {'A p50 TPOT':>10} {'B p50 TPOT':>10} {'B/A':>6}"]
+    for first, second in pairs:
+        setting = first.get("label", "")[-28:]
+        cells = []
+        for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
+            x, y = first.get(key, 0.0), second.get(key, 0.0)
+            width = 11 if key == "output_throughput" else 10
+            cells.append(f"{x:>{width}.1f} {y:>{width}.1f} {(y / x if x else float('nan')):>6.2f}")
+        lines.append(f"{setting:<28} " + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ class RequestRecord:
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with output
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the target's prefix cache (when it reports them)
     error: str | None = None
     cancelled: bool = False
 
@@ -148,6 +149,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     done = [r for r in records if r.ok]
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_tokens for r in done)
+    total_cached = sum(r.cached_tokens for r in done)
     result: dict[str, Any] = {
         "duration": duration_s,
         "completed": len(done),
@@ -155,6 +157,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         "cancelled": sum(1 for r in records if r.cancelled and r.error is None),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        "total_cached_tokens": total_cached,
+        "prefix_cache_hit_rate": total_cached / total_in if total_in else 0.0,
         "request_throughput": len(done) / duration_s,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,

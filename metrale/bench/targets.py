@@ -32,6 +32,7 @@ class Chunk:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     token_ids: tuple[int, ...] = ()  # when the target knows them (in process)
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache, when it says
 
 
 class Target(Protocol):
@@ -67,7 +68,8 @@ class EngineTarget:
             async for out in stream:
                 if out.finish_reason == "abort":
                     raise TargetError("the engine aborted the request")
-                yield Chunk(len(out.token_ids), prompt_tokens=out.num_prompt_tokens, token_ids=tuple(out.token_ids))
+                yield Chunk(len(out.token_ids), prompt_tokens=out.num_prompt_tokens, token_ids=tuple(out.token_ids),
+                            cached_tokens=out.num_cached_tokens)
 
 
 class OpenAITarget:
@@ -162,5 +164,6 @@ def parse_event(event: dict[str, Any]) -> Chunk | None:
     if not (usage or has_text):
         return None
     # llama-server puts usage on the last choice event; under load it may carry text too (merged tokens)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")  # OpenAI's field; vLLM and metrale fill it
     return Chunk(1 if has_text else 0, prompt_tokens=usage.get("prompt_tokens"),
-                 completion_tokens=usage.get("completion_tokens"))
+                 completion_tokens=usage.get("completion_tokens"), cached_tokens=cached)

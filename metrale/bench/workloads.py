@@ -1,5 +1,6 @@
-"""What each benchmark request asks for: seeded random lengths, a shared-system-prompt chat set,
-or conversations from a ShareGPT-format JSON file.
+"""What each benchmark request asks for: seeded random lengths, a shared-system-prompt chat set, prompts that
+repeat a few prefixes (vLLM's prefix_repetition), conversations from a ShareGPT-format JSON file, or a custom
+JSONL file of prompts.
 
 A `BenchRequest` carries a completion prompt (token ids for the in-process engine, text for HTTP)
 or chat messages, with its prompt length and the number of tokens to generate. Text prompts are
@@ -91,6 +92,39 @@ def chat_requests(num_requests: int, system_len: int, user_len: int, output_len:
 def estimate_tokens(text: str) -> int:
     """A tokenizer-free token count estimate: about 4 characters per token, at least 1."""
     return max(1, round(len(text) / 4))
+
+
+def prefix_repetition_requests(num_requests: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, *, seed: int = 0) -> list[BenchRequest]:
+    """vLLM's prefix_repetition dataset: `num_prefixes` random prefixes of `prefix_len` words, each request one of
+    them (in turn) followed by its own random suffix of `suffix_len` words: the prefix cache's steady state."""
+    if num_prefixes < 1 or prefix_len < 0 or suffix_len < 1:
+        raise ValueError(f"need num_prefixes >= 1, prefix_len >= 0, suffix_len >= 1; got {num_prefixes}, "
+                         f"{prefix_len}, {suffix_len}")
+    rng = random.Random(seed)
+    prefixes = [random_words(rng, prefix_len) for _ in range(num_prefixes)]
+    return [BenchRequest(prompt_len=prefix_len + suffix_len, output_len=output_len,
+                         prompt=f"{prefixes[i % num_prefixes]} {random_words(rng, suffix_len)}")
+            for i in range(num_requests)]
+
+
+def load_custom(path: str | Path, num_requests: int, output_len: int, *, seed: int = 0,
+                count_tokens: Callable[[str], int] = estimate_tokens) -> list[BenchRequest]:
+    """vLLM's custom dataset: a JSONL file, one {"prompt": "...", "output_tokens": N} per line (output_tokens
+    optional: `output_len` otherwise), shuffled with `seed`; requests cycle through the file when it is shorter."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"{path}:{number}: each line is {{\"prompt\": \"...\", \"output_tokens\": N}}")
+        rows.append((row["prompt"], int(row.get("output_tokens") or output_len)))
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    random.Random(seed).shuffle(rows)
+    return [BenchRequest(prompt_len=count_tokens(prompt), output_len=max(1, out), prompt=prompt)
+            for prompt, out in (rows[i % len(rows)] for i in range(num_requests))]
 
 
 def load_sharegpt(path: str | Path, num_requests: int, *, seed: int = 0,

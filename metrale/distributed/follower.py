@@ -25,8 +25,9 @@ from kernels.runtime import mx
 from kvcache.storage import PagedKVCache
 from metrale.distributed.channel import recv_message
 from metrale.distributed.launcher import join_ring
-from metrale.distributed.messages import FollowerSetup, ForwardInput, KVLayout
+from metrale.distributed.messages import FollowerSetup, KVLayout
 from metrale.distributed.sharding import shard_model
+from metrale.engine.step import ForwardInput
 from metrale.loading import load_model
 
 logger = logging.getLogger("metrale.distributed.follower")

@@ -29,8 +29,9 @@ from typing import Any, TypeVar
 
 from kernels.runtime import mx, nn
 from metrale.distributed.launcher import RankProcess, join_ring, write_hostfile
-from metrale.distributed.messages import FollowerSetup, ForwardInput, KVLayout
+from metrale.distributed.messages import FollowerSetup, KVLayout
 from metrale.distributed.sharding import shard_model
+from metrale.engine.step import ForwardInput
 from metrale.errors import TensorParallelError
 
 __all__ = ["TensorParallelGroup", "step_timeout_s"]

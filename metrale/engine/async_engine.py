@@ -17,17 +17,17 @@ import dataclasses
 import functools
 import itertools
 import logging
+import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
-from metrale.distributed.group import TensorParallelGroup
 from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
@@ -37,7 +37,7 @@ from metrale.errors import (EngineDeadError, EngineDrainingError, EngineNotRunni
                             PromptTooLongError, RequestRejectedError, StructuredOutputUnavailableError)
 from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel, load_model
-from metrale.outputs import CompletionResult, EngineInfo, EngineStats
+from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
 from metrale.sampling.guided import GrammarCompiler, require_llguidance
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.proposers import HostProposer
@@ -45,8 +45,13 @@ from metrale.speculative.speculator import Speculator
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
 from metrale.text.tokenizer import Tokenizer
-from metrale.text.tool_parsers import detect_format
+from metrale.loading.generation_defaults import read_sampling_defaults
+from metrale.text.output_parsing import detect_format
+from metrale.text.reasoning import detect_reasoning
 from scheduler import Scheduler
+
+if TYPE_CHECKING:  # imported by _start_ranks: a one-rank engine never loads metrale.distributed
+    from metrale.distributed.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192  # cap of the model's own context length when max_model_len is None
@@ -72,12 +77,13 @@ class AsyncEngine:
         self.config = config or EngineConfig()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, model_name=_model_label(self.config.model))
-        self._state = "stopped"  # stopped -> loading -> serving -> draining -> stopped
+        self._state = EngineState.STOPPED  # stopped -> loading -> serving -> draining -> stopped
         self._mlx: MLXThread | None = None
         self._runner: ModelRunner | None = None
         self._group: TensorParallelGroup | None = None  # rank 0's handle on the other ranks (tensor parallelism)
         self._core: EngineCore | None = None
         self._inputs: InputProcessor | None = None
+        self._sampling_defaults: dict[str, Any] = {}
         self._outputs: OutputProcessor | None = None
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
@@ -97,9 +103,9 @@ class AsyncEngine:
 
     async def start(self) -> "AsyncEngine":
         """Load the model on the MLX thread and start the engine loop."""
-        if self._state != "stopped":
+        if self._state is not EngineState.STOPPED:
             raise RuntimeError(f"engine already {self._state}")
-        self._state = "loading"
+        self._state = EngineState.LOADING
         self._loop = asyncio.get_running_loop()
         self._mlx = MLXThread()
         try:
@@ -112,9 +118,10 @@ class AsyncEngine:
             if self._group is not None:
                 self._group.close(timeout_s=0)
             self._mlx.shutdown()
-            self._state = "stopped"
+            self._state = EngineState.STOPPED
             raise
         self._init_text(loaded)
+        self._sampling_defaults = await self._mlx.run(self._read_sampling_defaults, loaded.path)
         self._info = EngineInfo(model_path=str(loaded.path), model_type=loaded.config.architecture,
                                 dtype=self._runner.dtype_name, kv_block_size=self.config.block_size)
         self._max_model_len = self.config.max_model_len or min(
@@ -131,7 +138,7 @@ class AsyncEngine:
                               tensor_parallel_size=str(self.config.tensor_parallel_size))
         self._loop_task = asyncio.create_task(self._core.run_forever(), name="metrale-engine-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
-        self._state = "serving"
+        self._state = EngineState.SERVING
         logger.info("engine serving %s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
                     self._runner.kv_cache.num_blocks, self.config.block_size, self._max_model_len)
         return self
@@ -139,6 +146,8 @@ class AsyncEngine:
     async def _start_ranks(self) -> LoadedModel:
         """Tensor parallelism: start ranks 1..N-1, join the ring, load this rank's share of the model
         and its runner, and wait for every rank at the startup barrier."""
+        from metrale.distributed.group import TensorParallelGroup
+
         loop = asyncio.get_running_loop()
         dtype = weights_dtype(self.config.dtype)
         self._group = TensorParallelGroup(
@@ -183,7 +192,7 @@ class AsyncEngine:
         """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
         if self._core is None:
             return
-        self._state = "draining"
+        self._state = EngineState.DRAINING
         deadline = time.monotonic() + timeout_s
         while self._core.num_unfinished and time.monotonic() < deadline and self._core.dead is None:
             await asyncio.sleep(0.02)
@@ -193,7 +202,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Abort what is left, stop the loop and the MLX thread. Leaves nothing running."""
-        if self._state == "stopped":
+        if self._state is EngineState.STOPPED:
             return
         if self._core is not None:
             self._core.abort_all()  # after the engine died this finds nothing left: die() ended everyone
@@ -210,7 +219,7 @@ class AsyncEngine:
             self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
         if self._runner is not None:
             self._runner.close()
-        self._state = "stopped"
+        self._state = EngineState.STOPPED
 
     async def __aenter__(self) -> "AsyncEngine":
         return await self.start()
@@ -333,9 +342,9 @@ class AsyncEngine:
             raise
 
     def _accepting(self) -> InputProcessor:
-        if self._state == "draining":
+        if self._state is EngineState.DRAINING:
             raise EngineDrainingError("engine is draining for shutdown; not accepting requests")
-        if self._state != "serving" or self._inputs is None or self._core is None:
+        if self._state is not EngineState.SERVING or self._inputs is None or self._core is None:
             raise EngineNotRunningError(f"engine is {self._state}; call start() first")
         if self._core.dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._core.dead!r}")
@@ -388,6 +397,28 @@ class AsyncEngine:
         return detect_format(self._inputs.chat_template.source) if self._inputs is not None else None
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults for what a request leaves unset ({} with generation_config "vllm")."""
+        return dict(self._sampling_defaults)
+
+    def _read_sampling_defaults(self, path: Path) -> dict[str, Any]:
+        if self.config.generation_config == "vllm":
+            return {}
+        try:
+            defaults = read_sampling_defaults(path)
+        except (ValueError, OSError, struct.error) as error:  # the model loaded: its defaults never stop a start
+            logger.warning("the model's sampling defaults could not be read from %s: %s", path, error)
+            return {}
+        if defaults:
+            logger.info("the model's sampling defaults (for requests that leave them unset): %s", defaults)
+        return defaults
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning (from its chat template), or None; known once started."""
+        return detect_reasoning(self._inputs.chat_template.source) if self._inputs is not None else None
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer (for counting tokens, building prompts)."""
         if self._inputs is None:
@@ -418,13 +449,13 @@ class AsyncEngine:
     def metrics_exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def health(self) -> str:
+    def health(self) -> EngineState:
         """"loading" | "serving" | "draining" | "unhealthy" | "stopped". Unhealthy: the engine died, or
         a step has run far past its expected time (the watchdog; it recovers if the step ends)."""
-        if self._state == "stopped":
-            return "stopped"
+        if self._state is EngineState.STOPPED:
+            return EngineState.STOPPED
         if self._core is not None and (self._core.dead is not None or self._step_stuck()):
-            return "unhealthy"
+            return EngineState.UNHEALTHY
         return self._state
 
     def _step_stuck(self) -> bool:

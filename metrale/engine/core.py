@@ -4,8 +4,10 @@ Everything here runs on the event-loop thread except `runner.execute`, which run
 One step is three calls:
 
     output = scheduler.schedule()                      # plain ids, counts, block tables
-    outcome = await executor.execute(output, rows)     # the only place MLX runs; failures bisected
-    self._postprocess(output, outcome)                 # tokens -> text -> streams; finishes free blocks
+    rows = await executor.execute(step_input)          # the only place MLX runs; failures bisected
+    self._postprocess(output, rows)                    # tokens -> text -> streams; finishes free blocks
+
+`rows` holds one RowResult per request with something to report (metrale.engine.step).
 
 Faults are contained per request: a request whose forward fails alone (metrale.engine.executor), or
 whose own output processing raises (detokenize, stop strings, delivery), ends with an error and
@@ -20,31 +22,24 @@ import logging
 import time
 from collections.abc import Sequence
 
-from metrale.engine.executor import StepExecutor, StepOutcome
-from metrale.engine.metrics import EngineMetrics, FinishedRequestStats, IterationStats
+from metrale.engine.executor import StepExecutor
+from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
+from metrale.engine.request_groups import RequestGroups
 from metrale.engine.request_state import RequestState
 from metrale.engine.runner import ModelRunner, PromptLogprobsRow, SamplingRow, StepInput
+from metrale.engine.step import RowResult
+from metrale.engine.step_stats import StepStats
 from metrale.engine.stream import OutputChannel
 from metrale.errors import EngineDeadError
 from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Speculator
 from metrale.text.processor import RequestText
-from scheduler import Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import FinishReason, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 FATAL_FAILED_STEPS = 3  # steps in a row in which requests failed and none succeeded
-
-
-class _Group:
-    """The sequences of one request with n > 1 (parallel sampling): its first id and the ids still live."""
-
-    __slots__ = ("head", "live")
-
-    def __init__(self, head: str, live: list[str]) -> None:
-        self.head = head
-        self.live = live
 
 
 class EngineCore:
@@ -59,20 +54,22 @@ class EngineCore:
         self.states: dict[str, RequestState] = {}
         self.num_steps = 0
         self.num_finished = 0
-        self.peak_kv_usage = 0.0
         self.dead: BaseException | None = None
         self.step_started: float | None = None  # monotonic start of the step in flight
         self.mean_step_s = 0.0  # moving average of step durations
         self._executor = StepExecutor(runner, mlx_thread)
+        self._stats = StepStats(metrics, scheduler)
         self._failpoints = failpoints
         self._pending_aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._failed_steps_in_a_row = 0
-        self._prefix_seen = (0, 0)
         self._speculator = speculator
         self._finished_since_step: list[str] = []  # told to the runner with the next step
-        self._groups: dict[str, _Group] = {}  # a request group's live sequence ids -> their group
-        self._groups_by_head: dict[str, _Group] = {}  # a group's first id -> the group, while any sequence lives
+        self._groups = RequestGroups()  # parallel sampling's sequences
+
+    @property
+    def peak_kv_usage(self) -> float:
+        return self._stats.peak_kv_usage
 
     # ---- called by AsyncEngine (event-loop thread) ----
 
@@ -105,21 +102,19 @@ class EngineCore:
             self.states[request_id] = state
             channels.append(state.channel)
         if len(requests) > 1:
-            group = _Group(request_ids[0], list(request_ids))
-            self._groups.update((request_id, group) for request_id in request_ids)
-            self._groups_by_head[group.head] = group
-        self._refresh_gauges()
+            self._groups.add(request_ids)
+        self._stats.refresh_gauges()
         self._wake.set()
         return channels
 
     def abort(self, request_id: str, channel: OutputChannel | None = None) -> bool:
         """Mark a request for abort; it ends at the next step boundary. False if unknown or finished,
         or when `channel` is given and is not that request's (a stale stream of a reused id)."""
-        group = self._groups_by_head.get(request_id) if channel is None else None
-        if group is not None:  # a group's first id: every sequence still running
-            if all(member in self._pending_aborts for member in group.live):
+        live = self._groups.live_of_head(request_id) if channel is None else None
+        if live is not None:  # a group's first id: every sequence still running
+            if all(member in self._pending_aborts for member in live):
                 return False
-            self._pending_aborts.update(group.live)
+            self._pending_aborts.update(live)
             self._wake.set()
             return True
         state = self.states.get(request_id)
@@ -162,30 +157,32 @@ class EngineCore:
         if not self._schedule_failpoint():
             return
         if self._speculator is not None:
-            self._speculator.propose(self.scheduler.running, lambda request_id: self.states[request_id].params)
+            self.scheduler.update_draft_token_ids(
+                self._speculator.propose(self.scheduler.running, lambda request_id: self.states[request_id].params))
         output = self.scheduler.schedule()
         if not output.scheduled:
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting "
                                f"and {self.scheduler.num_running} running requests")
-        num_prompt_tokens = self._mark_scheduled(output)
+        self._stats.begin(output, self.states)
         self.step_started = time.monotonic()
         try:
-            outcome = await self._executor.execute(self._step_input(output))
+            rows = await self._executor.execute(self._step_input(output))
         finally:
             self._note_step_time(time.monotonic() - self.step_started)
             self.step_started = None
-        self._contain_failures(output, outcome)
+        self._contain_failures(output, rows)
+        sampled = {request_id: row.token_ids for request_id, row in rows.items() if row.token_ids}
         if self._speculator is not None:
-            self.metrics.record_speculation(**vars(self._speculator.record(output, outcome.sampled_token_ids)))
+            self.metrics.record_speculation(**vars(self._speculator.record(output, sampled)))
         self._apply_aborts()  # an abort that arrived during the step wins over its last token
-        for request_id, (first_position, logprobs) in outcome.prompt_logprobs.items():
-            state = self.states.get(request_id)
-            if state is not None:
-                state.record_prompt_logprobs(first_position, logprobs)
-        for request_id, error in outcome.request_errors.items():  # e.g. its grammar did not compile
-            logger.warning("request %s failed in step %d: %s", request_id, self.num_steps, error)
-            self._finish(request_id, "error", error)
-        self._postprocess(output, outcome, num_prompt_tokens)
+        for row in rows.values():
+            state = self.states.get(row.request_id)
+            if state is not None and row.prompt_logprobs is not None:
+                state.record_prompt_logprobs(row.prompt_logprobs.first_position, row.prompt_logprobs.logprobs)
+            if state is not None and row.error is not None:  # e.g. its grammar did not compile
+                logger.warning("request %s failed in step %d: %s", row.request_id, self.num_steps, row.error.message)
+                self._finish(row.request_id, FinishReason.ERROR, row.error.exception(row.request_id))
+        self._postprocess(output, rows, sampled)
         self.num_steps += 1
 
     def _schedule_failpoint(self) -> bool:
@@ -197,7 +194,7 @@ class EngineCore:
         except InjectedFault as fault:
             logger.warning("step %d not scheduled: %s", self.num_steps, fault)
             if fault.request_id is not None:
-                self._finish(fault.request_id, "error", fault)
+                self._finish(fault.request_id, FinishReason.ERROR, fault)
             return False
         return True
 
@@ -219,67 +216,46 @@ class EngineCore:
         finished, self._finished_since_step = tuple(self._finished_since_step), []
         return StepInput(output, tuple(rows), contexts, finished, tuple(prompt_rows))
 
-    def _mark_scheduled(self, output: SchedulerOutput) -> int:
-        """Stamp first-scheduled times; returns the prompt tokens computed this step."""
-        now = time.monotonic()
-        num_prompt_tokens = 0
-        for scheduled in output.scheduled:
-            state = self.states[scheduled.request_id]
-            if state.times.first_scheduled is None:
-                state.times.first_scheduled = now
-                state.num_cached_tokens = max(0, self.scheduler.get_request(scheduled.request_id).num_cached_tokens)
-            end = scheduled.start_position + len(scheduled.token_ids)
-            num_prompt_tokens += max(0, min(end, state.num_prompt_tokens) - scheduled.start_position)
-        return num_prompt_tokens
-
     def _note_step_time(self, seconds: float) -> None:
         self.mean_step_s = seconds if not self.mean_step_s else 0.9 * self.mean_step_s + 0.1 * seconds
 
-    def _contain_failures(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
+    def _contain_failures(self, output: SchedulerOutput, rows: dict[str, RowResult]) -> None:
         """End the culprits of a failed step (their blocks' hashes discarded); die when nothing succeeds."""
-        for request_id, error in outcome.failed.items():
-            reason = "abort" if request_id in self._pending_aborts else "error"
-            self._finish(request_id, reason, error if reason == "error" else None, discard_cached=True)
-        if len(outcome.failed) < len(output.scheduled):  # some request (or every one) got its token
+        culprits = [row for row in rows.values() if row.error is not None and row.error.kv_unwritten]
+        for row in culprits:
+            aborted = row.request_id in self._pending_aborts
+            self._finish(row.request_id, FinishReason.ABORT if aborted else FinishReason.ERROR,
+                         None if aborted else row.error.exception(row.request_id), discard_cached=True)
+        if len(culprits) < len(output.scheduled):  # some request (or every one) got its token
             self._failed_steps_in_a_row = 0
         else:
             self._failed_steps_in_a_row += 1
             if self._failed_steps_in_a_row >= FATAL_FAILED_STEPS:
                 raise RuntimeError(f"{FATAL_FAILED_STEPS} steps in a row failed for every request; the last "
-                                   f"error: {next(iter(outcome.failed.values()))!r}")
+                                   f"error: {culprits[0].error.kind}: {culprits[0].error.message}")
 
-    def _postprocess(self, output: SchedulerOutput, outcome: StepOutcome, num_prompt_tokens: int) -> None:
+    def _postprocess(self, output: SchedulerOutput, rows: dict[str, RowResult],
+                     sampled: dict[str, tuple[int, ...]]) -> None:
         now = time.monotonic()
-        ttfts: list[float] = []
-        itls: list[float] = []
-        num_generated = 0
-        for event in self.scheduler.update(output, outcome.sampled_token_ids):
+        for event in self.scheduler.update(output, sampled):
             state = self.states.get(event.request_id)
             if state is None:
                 continue
-            if event.new_token_ids:
-                num_generated += len(event.new_token_ids)
-                times = state.times
-                if times.first_token is None:
-                    times.first_token = now
-                    ttfts.append(now - times.arrival)
-                else:
-                    itls.append(now - times.last_token)
-                times.last_token = now
+            self._stats.tokens(state, len(event.new_token_ids), now)
             try:
-                self._deliver(state, event, outcome, now)
+                self._deliver(state, event, rows.get(event.request_id), now)
             except Exception as error:  # this request's own output processing failed: it alone ends
                 logger.exception("request %s failed while processing its output", event.request_id)
-                self._finish(event.request_id, "error", error)
-        self._record_iteration(output, num_prompt_tokens, num_generated, tuple(ttfts), tuple(itls))
+                self._finish(event.request_id, FinishReason.ERROR, error)
+        self._stats.end(output)
 
-    def _deliver(self, state: RequestState, event: RequestEvent, outcome: StepOutcome, now: float) -> None:
+    def _deliver(self, state: RequestState, event: RequestEvent, row: RowResult | None, now: float) -> None:
         """Detokenize, match stop strings and hand the delta to the request's stream."""
         finish_reason = event.finish_reason
-        if finish_reason is None and event.request_id in outcome.stopped_request_ids:  # its grammar is complete
+        if finish_reason is None and row is not None and row.stopped:  # its grammar is complete
             self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
-            finish_reason = "stop"
-        logprob = outcome.logprobs.get(event.request_id)
+            finish_reason = FinishReason.STOP
+        logprob = row.logprob if row is not None else None
         delta = state.on_tokens(event.new_token_ids, finish_reason,
                                 hide_last_token=event.stop_token_id is not None,
                                 logprobs=[logprob] if logprob is not None else None)
@@ -292,92 +268,49 @@ class EngineCore:
 
     # ---- finishing: one path ----
 
-    def _finish(self, request_id: str, reason: str, error: BaseException | None = None, *,
+    def _finish(self, request_id: str, reason: FinishReason, error: BaseException | None = None, *,
                 discard_cached: bool | None = None) -> None:
-        """End a request outside a step's tokens ("abort" | "error"): free its blocks, deliver its
-        final delta, account for it. Idempotent; never raises for one request's sake."""
+        """End a request outside a step's tokens (abort, error): free its blocks, deliver its final
+        delta, account for it. Idempotent; never raises for one request's sake."""
         state = self.states.get(request_id)
         if state is None:
             return
-        self.scheduler.finish(request_id, RequestStatus.from_finish_reason(reason), discard_cached=discard_cached)
+        self.scheduler.finish(request_id, RequestStatus.finished_with(reason), discard_cached=discard_cached)
         state.channel.put(state.final_output(reason), error=error)
-        group = self._groups.get(request_id)
+        siblings = self._groups.siblings(request_id) if reason is FinishReason.ERROR else []
         self._retire(state, reason, time.monotonic())
-        if reason == "error" and group is not None:  # one sequence fails: the request fails, every sequence ends
-            for sibling in list(group.live):
-                self._finish(sibling, "error", RuntimeError(f"sequence {request_id!r} of this request failed: {error}"),
-                             discard_cached=discard_cached)
+        for sibling in siblings:  # one sequence fails: the request fails, every sequence ends
+            self._finish(sibling, FinishReason.ERROR,
+                         RuntimeError(f"sequence {request_id!r} of this request failed: {error}"),
+                         discard_cached=discard_cached)
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:
-            self._finish(self._pending_aborts.pop(), "abort")
+            self._finish(self._pending_aborts.pop(), FinishReason.ABORT)
 
     def fail_all(self, error: BaseException) -> None:
         """End every unfinished request with an error (the engine cannot continue). One request's
         failure to end never keeps the others from ending."""
         for request_id in list(self.states):
             try:
-                self._finish(request_id, "error", error, discard_cached=True)
+                self._finish(request_id, FinishReason.ERROR, error, discard_cached=True)
             except Exception:
                 logger.exception("request %s: freeing it failed; ending its stream anyway", request_id)
                 state = self.states.pop(request_id, None)
                 if state is not None:
-                    state.channel.put(state.final_output("error"), error=error)
+                    state.channel.put(state.final_output(FinishReason.ERROR), error=error)
 
     def abort_all(self) -> None:
         for request_id in list(self.states):
             self.abort(request_id)
         self._apply_aborts()
 
-    def _retire(self, state: RequestState, finish_reason: str, now: float) -> None:
+    def _retire(self, state: RequestState, finish_reason: FinishReason, now: float) -> None:
         del self.states[state.request_id]
-        group = self._groups.pop(state.request_id, None)
-        if group is not None:
-            group.live.remove(state.request_id)
-            if not group.live:
-                del self._groups_by_head[group.head]
+        self._groups.retire(state.request_id)
         self._pending_aborts.discard(state.request_id)
         self._finished_since_step.append(state.request_id)  # the runner drops what it kept for it
         if self._speculator is not None:
             self._speculator.forget(state.request_id)
         self.num_finished += 1
-        times = state.times
-        scheduled = times.first_scheduled
-        first = times.first_token
-        self.metrics.record_finished(FinishedRequestStats(
-            finish_reason=finish_reason,
-            e2e_latency_s=now - times.arrival,
-            queue_time_s=(scheduled if scheduled is not None else now) - times.arrival,
-            prefill_time_s=(first - scheduled) if first is not None and scheduled is not None else 0.0,
-            decode_time_s=(times.last_token - first) if first is not None else 0.0,
-            num_prompt_tokens=state.num_prompt_tokens,
-            num_generation_tokens=state.num_output_tokens,
-        ))
-        self._refresh_gauges()
-
-    # ---- metrics ----
-
-    def _record_iteration(self, output: SchedulerOutput, num_prompt_tokens: int, num_generated: int,
-                          ttfts: tuple[float, ...], itls: tuple[float, ...]) -> None:
-        kv = self.scheduler.kv_cache_manager
-        self.peak_kv_usage = max(self.peak_kv_usage, kv.usage)
-        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        seen_queries, seen_hits = self._prefix_seen
-        self._prefix_seen = (queries, hits)
-        self.metrics.record_iteration(IterationStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=kv.usage,
-            num_prompt_tokens=num_prompt_tokens,
-            num_generation_tokens=num_generated,
-            num_batched_tokens=output.num_batched_tokens,
-            time_to_first_tokens_s=ttfts,
-            inter_token_latencies_s=itls,
-            num_preemptions=len(output.preempted_request_ids),
-            prefix_cache_queries=queries - seen_queries,
-            prefix_cache_hits=hits - seen_hits,
-        ))
-
-    def _refresh_gauges(self) -> None:
-        kv = self.scheduler.kv_cache_manager
-        self.metrics.set_gauges(self.scheduler.num_running, self.scheduler.num_waiting, kv.usage)
+        self._stats.finished(state, finish_reason, now)

@@ -18,35 +18,14 @@ culprits' blocks, which are freed with their hashes discarded.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from metrale.engine.mlx_thread import MLXThread
-from metrale.engine.runner import StepInput, StepResult
+from metrale.engine.runner import StepInput
+from metrale.engine.step import RowError, RowResult
 from metrale.errors import TensorParallelError
-from metrale.outputs import TokenLogprob
 from scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutcome:
-    """What one step produced: tokens for the requests that ran, errors for those that failed."""
-
-    sampled_token_ids: dict[str, int | list[int]] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    failed: dict[str, BaseException] = field(default_factory=dict)  # culprits: request id -> its error
-    stopped_request_ids: set[str] = field(default_factory=set)  # their constraint is complete: "stop"
-    request_errors: dict[str, BaseException] = field(default_factory=dict)  # the runner could not serve them
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
-
-    def merge(self, result: StepResult) -> None:
-        """Add the results of one (sub-)batch that ran."""
-        self.sampled_token_ids.update(result.sampled_token_ids)
-        self.logprobs.update(result.logprobs or {})
-        self.stopped_request_ids.update(result.stopped_request_ids)
-        self.request_errors.update(result.failed_requests or {})
-        self.prompt_logprobs.update(result.prompt_logprobs or {})
 
 
 class StepExecutor:
@@ -56,9 +35,10 @@ class StepExecutor:
         self._runner = runner
         self._mlx = mlx_thread
 
-    async def execute(self, step: StepInput) -> StepOutcome:
-        """Run the step; on failure, its sub-batches."""
-        outcome = StepOutcome()
+    async def execute(self, step: StepInput) -> dict[str, RowResult]:
+        """Run the step; on failure, its sub-batches. Returns each request's record (request id -> it):
+        a culprit's carries its error (RowError.kv_unwritten)."""
+        outcome: dict[str, RowResult] = {}
         output = step.scheduler_output
         error = await self._try(output.scheduled, step, outcome)
         if error is None:
@@ -70,7 +50,7 @@ class StepExecutor:
         return outcome
 
     async def _try(self, group: tuple[ScheduledRequest, ...], step: StepInput,
-                   outcome: StepOutcome) -> BaseException | None:
+                   outcome: dict[str, RowResult]) -> BaseException | None:
         """Run `group` as one batch; merge its results into `outcome`, or return the error."""
         sub = step if len(group) == len(step.scheduler_output.scheduled) else step.for_group(group)
         try:
@@ -79,17 +59,19 @@ class StepExecutor:
             raise
         except Exception as error:  # contained: the caller splits the batch
             return error
-        outcome.merge(result)
+        outcome.update((row.request_id, row) for row in result)
         return None
 
-    async def _bisect(self, group: tuple[ScheduledRequest, ...], step: StepInput, outcome: StepOutcome) -> None:
+    async def _bisect(self, group: tuple[ScheduledRequest, ...], step: StepInput,
+                      outcome: dict[str, RowResult]) -> None:
         if len(group) == 1:  # it failed inside a larger batch: two tries alone, then it is the culprit
             error = await self._try(group, step, outcome)
             if error is not None:
                 error = await self._try(group, step, outcome)
             if error is not None:
                 logger.error("request %s fails alone: %s: %s", group[0].request_id, type(error).__name__, error)
-                outcome.failed[group[0].request_id] = error
+                request_id = group[0].request_id
+                outcome[request_id] = RowResult(request_id, error=RowError.of(error, kv_unwritten=True))
             return
         middle = len(group) // 2
         for half in (group[:middle], group[middle:]):
@@ -97,22 +79,21 @@ class StepExecutor:
                 await self._bisect(half, step, outcome)
 
     @staticmethod
-    def _fail_sharers(output: SchedulerOutput, outcome: StepOutcome) -> None:
+    def _fail_sharers(output: SchedulerOutput, outcome: dict[str, RowResult]) -> None:
         """Fail the requests that share a block a culprit was computing this step."""
-        if not outcome.failed:
+        culprits = {rid for rid, row in outcome.items() if row.error is not None and row.error.kv_unwritten}
+        if not culprits:
             return
         size = output.block_size
         unwritten: dict[int, str] = {}  # block id -> the culprit that was computing it
         for s in output.scheduled:
-            if s.request_id in outcome.failed:
+            if s.request_id in culprits:
                 first, last = s.start_position // size, (s.start_position + s.num_tokens - 1) // size
                 unwritten.update({block: s.request_id for block in s.block_table[first:last + 1]})
         for s in output.scheduled:
-            if s.request_id in outcome.failed:
+            if s.request_id in culprits:
                 continue
             culprit = next((unwritten[b] for b in s.block_table if b in unwritten), None)
             if culprit is not None:
-                outcome.failed[s.request_id] = RuntimeError(
-                    f"shares a KV block that failed request {culprit!r} was computing")
-                outcome.sampled_token_ids.pop(s.request_id, None)
-                outcome.logprobs.pop(s.request_id, None)
+                error = RuntimeError(f"shares a KV block that failed request {culprit!r} was computing")
+                outcome[s.request_id] = RowResult(s.request_id, error=RowError.of(error, kv_unwritten=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from metrale.engine.stream import GroupStream, RequestStream
-from metrale.outputs import EngineInfo, EngineStats
+from metrale.outputs import EngineInfo, EngineState, EngineStats
 from metrale.sampling_params import SamplingParams
 
 
@@ -30,6 +30,15 @@ class EngineClient(Protocol):
         """How the model writes tool calls, from its chat template (a metrale.text.tool_parsers format),
         or None when the template shows none."""
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for what a
+        request leaves unset; {} when it ships none or the engine ignores them (generation_config "vllm")."""
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning, from its chat template (a metrale.text.reasoning format), or None."""
+
     async def start(self) -> Any:
         """Load the model and start serving."""
 
@@ -39,8 +48,8 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None:
         """Abort what is left and stop; leaves nothing running."""
 
-    def health(self) -> str:
-        """"loading" | "serving" | "draining" | "unhealthy" | "stopped"."""
+    def health(self) -> EngineState:
+        """"loading" | "serving" | "draining" | "unhealthy" | "stopped" (a str-valued enum)."""
 
     def stats(self) -> EngineStats:
         """A cheap snapshot of the engine's state."""

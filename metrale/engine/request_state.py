@@ -14,6 +14,7 @@ from metrale.engine.stream import OutputChannel
 from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.sampling_params import SamplingParams
 from metrale.text.processor import RequestText
+from scheduler import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +61,14 @@ class RequestState:
         if self._prompt_logprobs is not None:
             self._prompt_logprobs[first_position:first_position + len(logprobs)] = logprobs
 
-    def on_tokens(self, token_ids: tuple[int, ...], finish_reason: str | None,
+    def on_tokens(self, token_ids: tuple[int, ...], finish_reason: FinishReason | None,
                   hide_last_token: bool, logprobs: list[TokenLogprob] | None) -> TextDelta:
         """Detokenize new ids (the stop token id, if any, is counted but never becomes text)."""
         self.num_output_tokens += len(token_ids)
         text_ids = token_ids[:-1] if hide_last_token else token_ids
         text, matched = self._text.push(text_ids, final=finish_reason is not None)
         if matched:
-            finish_reason = "stop"
+            finish_reason = FinishReason.STOP
         output = RequestOutput(request_id=self.request_id, token_ids=list(token_ids), text=text,
                                finish_reason=finish_reason, num_prompt_tokens=self.num_prompt_tokens,
                                num_output_tokens=self.num_output_tokens, logprobs=logprobs,
@@ -75,11 +76,11 @@ class RequestState:
         self._prompt_logprobs = None  # the prompt is computed once a token is sampled: sent once, here
         return TextDelta(output, matched)
 
-    def final_output(self, finish_reason: str) -> RequestOutput:
+    def final_output(self, finish_reason: FinishReason) -> RequestOutput:
         """The last delta of a request ended outside a step's tokens (abort, error). Never raises: if
         the held-back text cannot be produced, the delta goes without it (the token ids are complete)."""
         text = ""
-        if finish_reason != "abort":  # an abort drops held-back text; an error delivers it
+        if finish_reason is not FinishReason.ABORT:  # an abort drops held-back text; an error delivers it
             try:
                 text = self._text.flush()
             except Exception:

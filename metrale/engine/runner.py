@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kernels.backend import Backends, select_backends
 from kernels.runtime import mx
 from kvcache.storage import PagedKVCache
 from metrale.config import EngineConfig
-from metrale.distributed.group import TensorParallelGroup
-from metrale.distributed.messages import ForwardInput
+from metrale.engine.step import ForwardInput, PromptLogprobs, RowError, RowResult
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.loading import LoadedModel, load_model
 from metrale.outputs import TokenLogprob
@@ -39,6 +38,9 @@ from metrale.speculative.draft_model import DraftModelProposer
 from metrale.speculative.proposers import DraftRequest, RunnerProposer
 from metrale.speculative.verify import accepted_runs
 from scheduler import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:  # a one-rank engine never imports metrale.distributed
+    from metrale.distributed.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -88,21 +90,6 @@ class StepInput:
         return StepInput(sub, tuple(r for r in self.sampling_rows if r.request_id in ids),
                          {rid: ctx for rid, ctx in self.draft_contexts.items() if rid in ids},
                          self.finished_request_ids, tuple(r for r in self.prompt_logprobs if r.request_id in ids))
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """Per sampling request its token; per speculating request its accepted drafts then the target's
-    own token (a list)."""
-
-    sampled_token_ids: dict[str, int | list[int]]
-    logprobs: dict[str, TokenLogprob] | None = None
-    # Their constraint is complete (the grammar allows only eos now): they end with "stop" after this token.
-    stopped_request_ids: frozenset[str] = frozenset()
-    # Requests this step could not serve (e.g. their grammar failed to compile): they end with an error.
-    failed_requests: dict[str, BaseException] | None = None
-    # request id -> (position of its first scored prompt token, one TokenLogprob per scored prompt token)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None
 
 
 def _bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -174,20 +161,15 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model":
             draft = load_model(spec.model, dtype=weights_dtype(config.dtype))
             check_draft_model(loaded, draft)
-        per_block = (PagedKVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, kv_heads, mc.head_dim,
-                                                  loaded.dtype)
-                     + (_bytes_per_block(draft, config.block_size) if draft else 0))
-        num_blocks = config.kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV budget of {config.kv_cache_bytes} bytes holds no block of {per_block} bytes")
-        kv_cache = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size, kv_heads, mc.head_dim,
-                                loaded.dtype)
+        draft_per_block = _bytes_per_block(draft, config.block_size) if draft is not None else 0
+        kv_cache = PagedKVCache.from_budget(config.kv_cache_bytes, mc.num_hidden_layers, config.block_size, kv_heads,
+                                            mc.head_dim, loaded.dtype, shared_bytes_per_block=draft_per_block)
         backends = select_backends()
         logger.info("%s, %s; %s", loaded.path.name, loaded.describe_quantization(), backends.describe())
         drafter = None
         if draft is not None:
             dc = draft.config
-            draft_cache = PagedKVCache(dc.num_hidden_layers, num_blocks, config.block_size, dc.num_key_value_heads,
+            draft_cache = PagedKVCache(dc.num_hidden_layers, kv_cache.num_blocks, config.block_size, dc.num_key_value_heads,
                                        dc.head_dim, draft.dtype)
             drafter = DraftModelProposer(draft.model, draft_cache, backends.attention)
             logger.info("speculating with draft model %s (%d layers)", draft.path.name, dc.num_hidden_layers)
@@ -199,7 +181,7 @@ class ModelRunner:
         LoadedModel's tokenizer for its text front-end and calls `from_loaded`)."""
         return cls.from_loaded(load_model(config.model, dtype=weights_dtype(config.dtype)), config)
 
-    def execute(self, step: StepInput) -> StepResult:
+    def execute(self, step: StepInput) -> list[RowResult]:
         """One forward over every scheduled token (drafts included); samples where a request reaches
         its end, verifies where it speculates. Under tensor parallelism the other ranks run the same
         forward (metrale.distributed) and a failure of the group raises TensorParallelError."""
@@ -207,7 +189,7 @@ class ModelRunner:
             return self.group.run_step(self._execute, step)
         return self._execute(step)
 
-    def _execute(self, step: StepInput) -> StepResult:
+    def _execute(self, step: StepInput) -> list[RowResult]:
         self.constraints.forget(step.finished_request_ids)
         scheduled = step.scheduler_output.scheduled
         if self.failpoints:
@@ -237,33 +219,45 @@ class ModelRunner:
         if not sample_rows and not verify_rows and not prompt.rows:  # prompt chunks only: just fill the pools
             mx.eval(self._pools())
             self._forward_launched()
-            return StepResult({})
+            return []
         num_sampled = len(sample_rows) + len(verify_rows)
         rows = mx.array(sample_rows + verify_rows + prompt.rows, dtype=mx.int32)
         logits = self.model.compute_logits(hidden[rows])  # (S' + sum(k + 1) + prompt rows, V)
         mx.async_eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
         self._forward_launched()
-        prompt_logprobs = prompt.logprobs(logits[num_sampled:]) if prompt.rows else None
-        sampled: dict[str, int | list[int]] = {}
-        logprobs, stopped, errors = None, frozenset(), None
+        prompt_logprobs = prompt.logprobs(logits[num_sampled:]) if prompt.rows else {}
+        rows: list[RowResult] = []
         if sample_rows:
-            masks = self.constraints.prepare(step.sampling_rows)  # host work while the forward runs
-            if self.failpoints:
-                for sampling_row in step.sampling_rows:
-                    self.failpoints.check("sample", sampling_row.request_id)
-            batch = self.sampler.prepare(step.sampling_rows, masks.bitmask)
-            output = self.sampler.sample(logits[:len(sample_rows)] if len(sample_rows) < logits.shape[0] else logits,
-                                         batch)
-            outcome = self.constraints.accept(step.sampling_rows, output.token_ids, masks)
-            ids = [r.request_id for r in step.sampling_rows]
-            sampled.update(zip(ids, output.token_ids))
-            logprobs = {i: lp for i, lp in zip(ids, output.logprobs) if lp is not None} or None
-            stopped, errors = outcome.finished, outcome.errors or None
+            rows += self._sample(step, logits[:len(sample_rows)] if len(sample_rows) < logits.shape[0] else logits,
+                                 prompt_logprobs)
         if verify_rows:
             speculating = [s for s in scheduled if s.num_draft_tokens]
             runs = accepted_runs(logits[len(sample_rows):num_sampled], [drafts[s.request_id] for s in speculating])
-            sampled.update((s.request_id, run) for s, run in zip(speculating, runs))
-        return StepResult(sampled, logprobs, stopped, errors, prompt_logprobs)
+            rows += [RowResult(s.request_id, tuple(run)) for s, run in zip(speculating, runs)]
+        rows += [RowResult(request_id, prompt_logprobs=PromptLogprobs(first, logprobs))
+                 for request_id, (first, logprobs) in prompt_logprobs.items()]  # prompt chunks that sample nothing
+        return rows
+
+    def _sample(self, step: StepInput, logits: mx.array,
+                prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]]) -> list[RowResult]:
+        """One token per sampling row from its logits (S', V), through its constraint; the rows of
+        requests whose last prompt chunk also scored prompt logprobs take them (popped)."""
+        masks = self.constraints.prepare(step.sampling_rows)  # host work while the forward runs
+        if self.failpoints:
+            for sampling_row in step.sampling_rows:
+                self.failpoints.check("sample", sampling_row.request_id)
+        batch = self.sampler.prepare(step.sampling_rows, masks.bitmask)
+        output = self.sampler.sample(logits, batch)
+        outcome = self.constraints.accept(step.sampling_rows, output.token_ids, masks)
+        rows = []
+        for sampling_row, token_id, logprob in zip(step.sampling_rows, output.token_ids, output.logprobs):
+            request_id = sampling_row.request_id
+            error = outcome.errors.get(request_id)
+            prompt = prompt_logprobs.pop(request_id, None)
+            rows.append(RowResult(request_id, (token_id,), logprob,
+                                  PromptLogprobs(*prompt) if prompt is not None else None,
+                                  request_id in outcome.finished, RowError.of(error) if error is not None else None))
+        return rows
 
     def close(self) -> None:
         """Stop the grammar compiler's thread (the engine calls this at shutdown)."""

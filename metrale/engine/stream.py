@@ -39,7 +39,8 @@ async def _deltas_until_closed(stream: RequestStream | GroupStream) -> AsyncIter
 def _failure(channel: OutputChannel) -> RequestFailedError:
     """What a stream raises after a failed request's last delta, chained to the original error."""
     cause = channel.error
-    failure = RequestFailedError(channel.request_id, f"{type(cause).__name__}: {cause}")
+    kind = getattr(cause, "kind", None) or type(cause).__name__  # a RowFailedError names the original type
+    failure = RequestFailedError(channel.request_id, f"{kind}: {cause}")
     failure.__cause__ = cause
     return failure
 

@@ -5,7 +5,8 @@
                                        "quantization" for MLX-quantized folders (mlx-lm's layout)
       model.safetensors                or model-00001-of-0000N.safetensors + model.safetensors.index.json
       tokenizer.json                   the tokenizer; tokenizer_config.json: chat template, special tokens
-      generation_config.json           eos ids (optional)
+      generation_config.json           eos ids and sampling defaults (optional;
+                                       metrale.loading.generation_defaults reads the latter)
 
 Weight names are mapped to the model's own (`model.layers.0.self_attn.q_proj.weight`): the
 multimodal wrappers' prefixes (`language_model.model.`, `model.language_model.`) are stripped

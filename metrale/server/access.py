@@ -2,8 +2,9 @@
 
     refusal(scope)        403 for a Host it does not answer (hosts.py: DNS rebinding) or an Origin that may
                           not call it (cors.py: a page's fetch or text/plain form); before the body is read
-    authenticate(scope)   401 unless `Authorization: Bearer <key>` (scheme in any case, RFC 7235) when a key
-                          is set; /health and /metrics stay open for probes and scrapers
+    authenticate(scope)   401 unless `Authorization: Bearer <key>` (scheme in any case, RFC 7235) or
+                          `x-api-key: <key>` (Anthropic's clients) when a key is set; /health and /metrics
+                          stay open for probes and scrapers
     method_not_allowed    the 405 of a route, with the Allow header RFC 9110 asks for
 """
 
@@ -50,6 +51,8 @@ class AccessControl:
         for key, value in scope["headers"]:
             token = _BEARER.fullmatch(value) if key == b"authorization" else None
             if token is not None and hmac.compare_digest(token.group(1), self._api_key):
+                return
+            if key == b"x-api-key" and hmac.compare_digest(value, self._api_key):  # Anthropic's clients
                 return
         raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                        code="invalid_api_key")

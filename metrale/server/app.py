@@ -9,6 +9,9 @@
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
+    POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
+    POST /tokenize /detokenize   vLLM's token routes: see tokenize.py
+    GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
 
 Before any route: a Host this server does not answer (hosts.py, DNS rebinding) or an Origin that may
 not call it (cors.py) is a 403; with an API key, every route but /health and /metrics needs it; POST
@@ -30,7 +33,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import completions, openapi, responses, worker_api
+from metrale.server import anthropic, completions, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -57,6 +60,8 @@ class ServerApp:
     body_timeout_s: a request body that has not fully arrived after this long gets a 408.
     tool_call_parser: how the model writes tool calls (a metrale.text.tool_parsers format); by default
         what the engine reads from the model's chat template.
+    reasoning_parser: how the model marks its reasoning (a metrale.text.reasoning format, or "none" to
+        leave it in content); by default what the engine reads from the chat template.
     allowed_origins: origins browsers may call the API from ("*" for any; see cors.py); others get 403.
     allowed_hosts: the Host headers answered (hosts.py); by default loopback names and IP addresses.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
@@ -68,7 +73,8 @@ class ServerApp:
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                 allowed_hosts: HostPolicy | None = None, on_fatal: Callable[[], None] | None = None) -> None:
+                 reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
+                 on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -76,6 +82,7 @@ class ServerApp:
         self.dead_grace_s = dead_grace_s
         self.manage_engine = manage_engine
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.cors = CorsPolicy(tuple(allowed_origins))
         self.access = AccessControl(api_key, self.cors, allowed_hosts if allowed_hosts is not None else HostPolicy())
         self.on_fatal = on_fatal
@@ -126,12 +133,14 @@ class ServerApp:
             status, headers = self.cors.preflight(scope)
             return await send_bytes(send, status, b"", headers)
 
+        extra_headers = [*cors_headers, *_request_id_header(scope)]
+
         async def tracked_send(message: dict) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                if cors_headers:
-                    message = {**message, "headers": [*message.get("headers", []), *cors_headers]}
+                if extra_headers:
+                    message = {**message, "headers": [*message.get("headers", []), *extra_headers]}
             await send(message)
 
         try:
@@ -161,15 +170,27 @@ class ServerApp:
             return await self._only(scope, self._worker_info(path, send))
         if path == "/openapi.json":
             return await self._only(scope, send_json(send, 200, self._openapi()))
+        if path in tokenize.PATHS:
+            body = await self._json_body(scope, receive)
+            return await tokenize.handle(self.engine, self.model_name, path, body, send,
+                                         model_aliases=self.model_aliases)
+        if ollama.serves(path):
+            body = await self._json_body(scope, receive) if method == "POST" else b""
+            return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
+                                       request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                       model_aliases=self.model_aliases)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
+        if path in anthropic.PATHS:
+            body = await self._json_body(scope, receive)
+            return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
+                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                          model_aliases=self.model_aliases)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
-            if method != "POST":
-                raise MethodNotAllowed(path, method, "POST")
-            require_json(scope)
-            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            body = await self._json_body(scope, receive)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
-                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases}
+                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
+                       "reasoning_parser": self.reasoning_parser}
             if path == RESPONSES_PATH:
                 return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
@@ -190,6 +211,13 @@ class ServerApp:
             response.close()  # never awaited: release the coroutine
             raise MethodNotAllowed(scope["path"], scope["method"], "GET")
         await response
+
+    async def _json_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The body of a POST route: 405 for another method, 415 unless declared JSON, 413 / 408 (read_body)."""
+        if scope["method"] != "POST":
+            raise MethodNotAllowed(scope["path"], scope["method"], "POST")
+        require_json(scope)
+        return await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
 
     async def _health(self, send: Send) -> None:
         state = self.health()
@@ -224,8 +252,10 @@ class ServerApp:
         return self._openapi_document
 
     def _model_card(self) -> dict[str, Any]:
+        """vLLM's model card, with the other ids requests may use for the model (answered as it)."""
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",
-                "max_model_len": self.engine.max_model_len}
+                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len,
+                "aliases": list(self.model_aliases)}
 
     # ---- lifespan ----
 
@@ -274,3 +304,13 @@ class ServerApp:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.engine.shutdown()
+
+
+def _request_id_header(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The client's X-Request-Id, echoed on the response (the openai SDK reads it); none when absent or malformed
+    (a malformed one is refused with a 400 by the route that reads it)."""
+    try:
+        request_id = client_request_id(scope)
+    except APIError:
+        return []
+    return [(b"x-request-id", request_id.encode())] if request_id is not None else []

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.server import logprobs as lp
-from metrale.server import protocol, structured, tools
+from metrale.server import chat_output, protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, from_engine_error
 from metrale.engine.protocol import EngineClient
@@ -46,11 +48,13 @@ class _Call:
     model: str
     include_usage: bool
     logprobs: int | None  # None: not requested
-    plan: tools.ToolPlan | None = None  # chat with tool parsing (metrale.server.tools)
+    plan: chat_output.OutputPlan | None = None  # chat with reasoning or tool parsing (metrale.server.chat_output)
     n: int = 1  # choices
     echo: str | None = None  # completions with echo: the prompt text each choice starts with
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top alternatives), None: not requested
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk
+    prompt_tail: str = ""  # the prompt's last tokens as text: where a reasoning block stands
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -63,11 +67,12 @@ class _Choice:
 
     def __init__(self, index: int, call: _Call) -> None:
         self.index = index
-        self.tools = call.plan.stream() if call.plan is not None else None
+        self.tools = call.plan.stream(call.prompt_tail) if call.plan is not None else None
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.last: RequestOutput | None = None
         self.echoed = False  # streaming: the prompt went out with the first delta
+        self.role_sent = False  # streaming chat: the role goes out with the first token, as vLLM sends it
 
     def add(self, out: RequestOutput) -> None:
         self.texts.append(out.text)
@@ -96,26 +101,53 @@ class _Choice:
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
-                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
+                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                 reasoning_parser: str | None = None) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
     `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
     field, which also makes the response id), else the response id.
-    `tool_call_format` overrides the format the engine reads from the model's chat template;
+    `tool_call_format` overrides the format the engine reads from the model's chat template, and
+    `reasoning_parser` its reasoning format ("none": reasoning stays in content);
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+    call, stream = await open_stream(engine, served_model, request, default_max_tokens=default_max_tokens,
+                                     request_id=request_id, tool_call_format=tool_call_format,
+                                     model_aliases=model_aliases, reasoning_parser=reasoning_parser or "auto")
+    respond = _stream_response if request.stream else _full_response
+    try:
+        await run_until_disconnect(respond(engine, call, stream, send), receive)
+    finally:
+        await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+async def open_stream(engine: EngineClient, served_model: str,
+                      request: protocol.CompletionRequest | protocol.ChatCompletionRequest, *,
+                      default_max_tokens: int | None, request_id: str | None = None,
+                      tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                      reasoning_parser: str = "none") -> tuple[_Call, Any]:
+    """Validate a decoded request, render and tokenize its prompt (off the event loop when long) and submit
+    it: the fields its response objects share, and the engine stream (the caller closes it). Raises
+    APIError for anything refused. The Anthropic and Ollama routes come here too, with their bodies
+    translated into a ChatCompletionRequest. `reasoning_parser`: "auto" reads reasoning as the chat template
+    shows it, a metrale.text.reasoning format forces one, "none" (what the other routes get) leaves it in content."""
+    chat = isinstance(request, protocol.ChatCompletionRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
-    params = protocol.sampling_params(request, default_max_tokens)
-    plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
+    params = protocol.sampling_params(request, default_max_tokens, engine.sampling_defaults)
+    model_format = tool_call_format or engine.tool_call_format
+    plan = tools.plan(request, model_format) if chat else None
+    reasoning = chat_output.reasoning_format(None if reasoning_parser == "auto" else reasoning_parser, engine)
+    output = chat_output.output_plan(plan, reasoning, request.include_reasoning is not False) if chat else None
     if plan is not None:
         params = plan.params(params)
+    if output is not None:
+        params = output.params(params)
     await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output
                    else structured.source_of(request))
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
-    try:
-        if chat:  # long prompts are tokenized off the event loop
-            prompt_ids = await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
-                                                     tools=plan.template_tools if plan is not None else None,
-                                                     **protocol.template_kwargs(request))
+    options = request.stream_options
+    include_usage = options is not None and (options.include_usage or options.continuous_usage_stats)
+    with engine_errors():
+        if chat:
+            prompt_ids = await _chat_prompt_ids(engine, request, plan, model_format)
         else:
             prompt = protocol.completion_prompt(request)
             prompt_ids = await engine.prompt_token_ids(prompt)
@@ -125,9 +157,25 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id or uuid.uuid4().hex}",
                      int(time.time()), model,
                      include_usage, params.logprobs,
-                     plan if plan is not None and plan.parses_calls else None, params.n, echo,
-                     tuple(prompt_ids), request.prompt_logprobs)
+                     output, params.n, echo, tuple(prompt_ids), request.prompt_logprobs,
+                     continuous_usage=options is not None and options.continuous_usage_stats,
+                     prompt_tail=chat_output.prompt_tail(engine, prompt_ids) if output is not None else "")
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
+    return call, stream
+
+
+async def prompt_token_ids(engine: EngineClient, request: protocol.ChatCompletionRequest) -> list[int]:
+    """The token ids a chat request's prompt renders to (its tools included), as open_stream would submit."""
+    plan = tools.plan(request, engine.tool_call_format)
+    with engine_errors():
+        return await _chat_prompt_ids(engine, request, plan, engine.tool_call_format)
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """The engine's submit-time errors (typed rejections, bad params) as APIErrors; others propagate."""
+    try:
+        yield
     except APIError:
         raise
     except Exception as error:
@@ -135,11 +183,14 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
         if api_error is None:
             raise
         raise api_error from error
-    respond = _stream_response if request.stream else _full_response
-    try:
-        await run_until_disconnect(respond(engine, call, stream, send), receive)
-    finally:
-        await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+async def _chat_prompt_ids(engine: EngineClient, request: protocol.ChatCompletionRequest,
+                           plan: tools.ToolPlan | None, model_format: str | None) -> list[int]:
+    """Long prompts are tokenized off the event loop."""
+    return await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request), plan, model_format),
+                                       tools=plan.template_tools if plan is not None else None,
+                                       **protocol.template_kwargs(request))
 
 
 async def prepare_params(engine: EngineClient, params: Any, source: str) -> None:
@@ -176,9 +227,6 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
     sse = SSEResponse(send)
     await sse.start()
     choices = [_Choice(i, call) for i in range(call.n)]
-    if call.chat:
-        for choice in choices:
-            await sse.event(_chunk(call, choice.index, {"role": "assistant", "content": ""}, None))
     failed = False
     prompt_logprobs = None  # sequence 0's first delta brings them (before any other sequence's)
     try:
@@ -190,7 +238,8 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
             if out.finish_reason in ("abort", "error"):
                 continue  # abort: reported below; error: the stream raises next
             if out.text or out.finish_reason is not None or out.logprobs or (call.echo is not None and not choice.echoed):
-                await _send_delta(engine, sse, call, choice, out, prompt_logprobs)
+                usage = _usage_so_far(choices) if call.continuous_usage else None
+                await _send_delta(engine, sse, call, choice, out, prompt_logprobs, usage)
     except RequestFailedError as error:
         failed = True
         await sse.event(APIError(500, str(error), code="request_failed").body())
@@ -203,7 +252,12 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
 
 
 async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, choice: _Choice,
-                      out: RequestOutput, prompt_logprobs: list | None) -> None:
+                      out: RequestOutput, prompt_logprobs: list | None, usage: dict[str, Any] | None) -> None:
+    """The chunks of one delta; `usage` (the usage so far) goes on each when the client asked for it."""
+
+    def chunk(content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return _chunk(call, choice.index, content, finish_reason, logprobs, usage)
+
     logprobs = None
     if not call.chat:
         text = out.text
@@ -214,21 +268,24 @@ async def _send_delta(engine: EngineClient, sse: SSEResponse, call: _Call, choic
                 logprobs = _logprobs(engine, call, out.logprobs or [], prompt_logprobs)
         elif call.logprobs is not None and out.logprobs:
             logprobs = _logprobs(engine, call, out.logprobs, None)
-        await sse.event(_chunk(call, choice.index, text, out.finish_reason, logprobs))
+        await sse.event(chunk(text, out.finish_reason, logprobs))
         return
+    if not choice.role_sent:
+        choice.role_sent = True
+        await sse.event(chunk({"role": "assistant", "content": ""}, None))
     if call.logprobs is not None and out.logprobs:
         logprobs = lp.render(engine, out.logprobs, True, call.logprobs)
     if choice.tools is not None:  # content and tool-call deltas, as the parser makes them certain
         fields = choice.tools.delta(out.text, final=out.finish_reason is not None)
         if fields or logprobs:
-            await sse.event(_chunk(call, choice.index, fields, None, logprobs))
+            await sse.event(chunk(fields, None, logprobs))
         if out.finish_reason is not None:
-            await sse.event(_chunk(call, choice.index, {}, choice.tools.finish_reason(out.finish_reason)))
+            await sse.event(chunk({}, choice.tools.finish_reason(out.finish_reason)))
         return
     if out.text or logprobs:
-        await sse.event(_chunk(call, choice.index, {"content": out.text}, None, logprobs))
+        await sse.event(chunk({"content": out.text}, None, logprobs))
     if out.finish_reason is not None:
-        await sse.event(_chunk(call, choice.index, {}, out.finish_reason))
+        await sse.event(chunk({}, out.finish_reason))
 
 
 def _logprobs(engine: EngineClient, call: _Call, logprobs: list[TokenLogprob],
@@ -240,13 +297,19 @@ def _logprobs(engine: EngineClient, call: _Call, logprobs: list[TokenLogprob],
                      leading_token_id=call.prompt_token_ids[0])
 
 
-def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, logprobs: Any = None,
+           usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     choice["delta" if call.chat else "text"] = content
     chunk = {**call.envelope(chunk=True), "choices": [choice]}
     if call.include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage  # null on every chunk but the last, unless continuous usage was asked for
     return chunk
+
+
+def _usage_so_far(choices: list[_Choice]) -> dict[str, Any]:
+    """The usage of the choices' deltas seen so far (vLLM's continuous_usage_stats)."""
+    return _usage([c.last for c in choices if c.last is not None])
 
 
 def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:

@@ -1,38 +1,41 @@
-"""`metrale fleet`: N `metrale serve` replicas behind sglang-router, started and stopped together.
+"""`metrale fleet`: N `metrale serve` replicas behind sglang-router, supervised, started and stopped together.
 
     metrale fleet --replicas 2 --port 8000 [--policy cache_aware] [--router-args "..."] [serve options]
 
     replicas  127.0.0.1:<free port> each: `metrale serve <serve options> --model-alias unknown`
     router    --host:--port: sglang-router (`metrale[router]`) over the replicas' URLs, its own
               Prometheus listener on 127.0.0.1:<free port> (it cannot be turned off, and a taken
-              port would crash it)
+              port would crash it); --request-timeout bounds every request it forwards, streams included
 
 Start: the replicas, then (all healthy) the router, then (it reports every replica healthy) one
-line per process on stdout. SIGTERM, SIGINT or SIGHUP is forwarded once, as SIGTERM, to every
-process (each is in its own session, so Ctrl-C reaches only the fleet): the router closes its
-listener and lets in-flight requests finish, the replicas drain; the fleet exits 0 when they all
-did. A second signal kills them. A process that exits on its own stops the others and the fleet
-exits 1: replicas are not restarted (a supervisor such as systemd or Kubernetes restarts the fleet).
+line per process on stdout. Then the fleet supervises: a replica that exits, or whose /health has not
+answered "serving" for --hang-timeout seconds (a frozen process, or a step stuck past the engine's
+watchdog), is taken out of the router, stopped (its open streams get an error event when it can still
+send one), restarted on the same port and put back once it serves; the others keep serving. A router
+that exits is restarted too. Each process may restart --max-restarts times in --restart-window
+seconds; one more and the fleet stops with status 1 (a crash loop is for systemd or Kubernetes to see).
+Every process dies with the fleet, even a SIGKILLed one (Linux: PR_SET_PDEATHSIG).
+SIGTERM, SIGINT or SIGHUP is forwarded once, as SIGTERM, to every process (each is in its own session,
+so Ctrl-C reaches only the fleet): the router closes its listener and lets in-flight requests finish,
+the replicas drain; the fleet exits 0 when they all did. A second signal kills them.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib.util
-import json
 import os
-import re
 import shlex
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from typing import Callable
 
 from metrale.server.cli import add_serve_arguments
+from metrale.server.fleet_process import Child
+from metrale.server.fleet_router import RouterAdmin
+from metrale.server.fleet_supervisor import ReplicaSlot, Supervisor, SupervisorConfig
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # The model id sglang-router forwards for a chat request without "model".
@@ -49,7 +52,6 @@ _ROUTER_MAIN = ("import os, sys\n"
                 "args.api_key = os.environ.get('METRALE_API_KEY') or None\n"
                 "launch_router(args)\n")
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
-_ANSI_ESCAPE = re.compile(rb"\x1b\[[0-9;]*m")  # the router colours its log even into a pipe
 
 
 def add_fleet_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -63,7 +65,15 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="more sglang-router flags, one string (e.g. \"--balance-abs-threshold 8\")")
     fleet.add_argument("--router-metrics-port", type=int, default=0,
                        help="the router's Prometheus port (default: a free one)")
-    fleet.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every replica")
+    fleet.add_argument("--startup-timeout", type=float, default=600.0,
+                       help="seconds a replica may take to serve, at the start and after a restart")
+    fleet.add_argument("--hang-timeout", type=float, default=30.0,
+                       help="a replica whose /health has not said \"serving\" this long is restarted")
+    fleet.add_argument("--max-restarts", type=int, default=5,
+                       help="restarts of one process within --restart-window before the fleet gives up (exit 1)")
+    fleet.add_argument("--restart-window", type=float, default=300.0, help="seconds (see --max-restarts)")
+    fleet.add_argument("--request-timeout", type=int, default=600,
+                       help="seconds the router lets one request take, a stream included, before cutting it")
     add_serve_arguments(parser)  # --host and --port are the router's; the replicas get free ports
     parser.set_defaults(func=run_fleet)
     return parser
@@ -92,7 +102,8 @@ def router_argv(args: argparse.Namespace, worker_urls: list[str], metrics_port: 
     grace_s = str(int(args.shutdown_timeout) + 5)  # in-flight requests outlive the replicas' drain
     return ["--host", args.host, "--port", str(args.port), "--worker-urls", *worker_urls, "--policy", args.policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            "--shutdown-grace-period-secs", grace_s, *ROUTER_DEFAULTS, *shlex.split(args.router_args)]
+            "--shutdown-grace-period-secs", grace_s, "--request-timeout-secs", str(args.request_timeout),
+            *ROUTER_DEFAULTS, *shlex.split(args.router_args)]
 
 
 def replica_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -112,90 +123,65 @@ def _serve_actions() -> list[argparse.Action]:
     return [a for a in parser._actions if a.dest not in ("host", "port", "api_key")]
 
 
-@dataclass
-class Child:
-    """One process of the fleet; its output goes to our stderr, each line prefixed with its name."""
-
-    name: str
-    argv: list[str]
-    url: str
-    proc: subprocess.Popen | None = None
-    _pump: threading.Thread | None = field(default=None, repr=False)
-
-    def start(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self._pump = threading.Thread(target=self._copy_output, name=f"fleet-{self.name}-log", daemon=True)
-        self._pump.start()
-
-    def _copy_output(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            sys.stderr.write(f"[{self.name}] {_ANSI_ESCAPE.sub(b'', line).decode(errors='replace')}")
-        sys.stderr.flush()
-
-    def join_output(self, timeout_s: float) -> None:
-        """Wait for the last lines of an exited process to be copied."""
-        if self._pump is not None:
-            self._pump.join(timeout_s)
-
-    @property
-    def exit_status(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-
 class Fleet:
     """The replicas and the router of one `metrale fleet` run."""
 
-    def __init__(self, replicas: list[Child], router: Child, env: dict[str, str], about_router: str = "") -> None:
-        self.replicas = replicas
-        self.router = router
+    def __init__(self, replicas: list[Child], router_for: Callable[[list[str]], list[str]], router_url: str,
+                 env: dict[str, str], config: SupervisorConfig, about_router: str = "") -> None:
+        self.slots = [ReplicaSlot(replica, config) for replica in replicas]
+        self.router = Child("router", router_for([r.url for r in replicas]), router_url)
+        self.router_for = router_for  # worker URLs -> the router's command line
         self.env = env
+        self.config = config
         self.about_router = about_router  # printed when ready
+        self.admin = RouterAdmin(router_url, env.get("METRALE_API_KEY"))
         self.signals = 0  # termination signals received
 
     @property
     def children(self) -> list[Child]:
-        return [*self.replicas, self.router]
+        return [*(slot.child for slot in self.slots), self.router]
 
     def on_signal(self, sig: int, _frame: object) -> None:
         self.signals += 1
         if self.signals > 1:
             for child in self.children:
-                child.signal(signal.SIGKILL)
+                child.signal_group(signal.SIGKILL)
 
-    def run(self, startup_timeout_s: float, stop_timeout_s: float) -> int:
-        """Start, report, supervise until a signal or a death; returns the exit status."""
-        for replica in self.replicas:
-            replica.start(self.env)
-        if not self._wait(lambda: all(_get(r.url + "/health")[0] == 200 for r in self.replicas), startup_timeout_s,
+    def start_router(self, worker_urls: list[str]) -> None:
+        self.router.argv = self.router_for(worker_urls)
+        self.router.start(self.env)
+
+    def run(self, stop_timeout_s: float) -> int:
+        """Start, report, supervise until a signal (or a spent restart budget); returns the exit status."""
+        for slot in self.slots:
+            slot.start(self.env)
+            slot.probe.start()
+        if not self._wait(lambda: all(slot.became_serving() for slot in self.slots), self.config.startup_timeout_s,
                           "replicas healthy"):
             return self.stop(stop_timeout_s, failed=not self.signals)
         self.router.start(self.env)
-        api_key = self.env.get("METRALE_API_KEY")
-        ready = lambda: _healthy_workers(self.router.url, api_key) == len(self.replicas)  # noqa: E731
+        ready = lambda: len(self.admin.healthy_urls()) == len(self.slots)  # noqa: E731
         if not self._wait(ready, 120.0, "router ready"):
             return self.stop(stop_timeout_s, failed=not self.signals)
+        for slot in self.slots:
+            slot.state = "serving"
         self._report()
-        while not self.signals:
-            dead = self._dead()
-            if dead is not None:
-                _say(f"{dead.name} (pid {dead.proc.pid}) exited with status {dead.exit_status}; stopping the fleet")
-                return self.stop(stop_timeout_s, failed=True)
+        supervisor = Supervisor(self.slots, self.router, self.start_router, self.admin, self.env, self.config, _say)
+        while not self.signals and supervisor.failed is None:
+            supervisor.tick()
             time.sleep(0.1)
+        if supervisor.failed is not None:
+            _say(f"{supervisor.failed}; stopping the fleet")
+            return self.stop(stop_timeout_s, failed=True)
         _say("stopping: the router stops taking requests, the replicas drain")
         return self.stop(stop_timeout_s, failed=False)
 
-    def _wait(self, predicate, timeout_s: float, what: str) -> bool:
+    def _wait(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> bool:
         deadline = time.monotonic() + timeout_s
         while not self.signals:
-            dead = self._dead()
+            dead = next((c for c in self.children if c.proc is not None and not c.running), None)
             if dead is not None:
-                _say(f"{dead.name} exited with status {dead.exit_status} before {what}")
+                _say(f"{dead.name} {dead.describe_exit()} before {what}")
                 return False
             if predicate():
                 return True
@@ -205,32 +191,26 @@ class Fleet:
             time.sleep(0.2)
         return False
 
-    def _dead(self) -> Child | None:
-        return next((c for c in self.children if c.proc is not None and c.exit_status is not None), None)
-
     def _report(self) -> None:
-        count = len(self.replicas)
+        count = len(self.slots)
         _say(f"ready: {count} replica{'s' if count != 1 else ''} behind sglang-router")
-        _say(f"router {self.router.url} pid {self.router.proc.pid} {self.about_router}".rstrip())
-        for replica in self.replicas:
-            _say(f"{replica.name} {replica.url} pid {replica.proc.pid}")
+        _say(f"router {self.router.url} pid {self.router.pid} {self.about_router}".rstrip())
+        for slot in self.slots:
+            _say(f"{slot.child.name} {slot.child.url} pid {slot.child.pid}")
 
     def stop(self, timeout_s: float, *, failed: bool) -> int:
         """SIGTERM every process, wait up to timeout_s, SIGKILL what is left; 1 if anything failed."""
-        for child in self.children:
+        for slot in self.slots:
+            slot.probe.stop()
+        running = [child for child in self.children if child.running]  # not one waiting for its restart
+        for child in running:
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        for child in running:
+            if not child.wait(deadline - time.monotonic()):
                 _say(f"{child.name} did not stop in {timeout_s:.0f} s: killing it")
-                child.signal(signal.SIGKILL)
-                child.proc.wait()
-            child.join_output(2.0)
-        statuses = {c.name: c.exit_status for c in self.children if c.proc is not None}
+            child.kill()  # what is left of it, and whatever it started
+        statuses = {c.name: c.exit_status for c in running}
         if any(status != 0 for status in statuses.values()):
             _say(f"exit statuses: {statuses}")
             failed = True
@@ -249,6 +229,15 @@ def run_fleet(args: argparse.Namespace) -> int:
         print(f"metrale fleet: the router listens on one --host, got {args.host!r}", file=sys.stderr)
         return 2
     try:
+        config = SupervisorConfig(hang_timeout_s=args.hang_timeout, startup_timeout_s=args.startup_timeout,
+                                  max_restarts=args.max_restarts, restart_window_s=args.restart_window)
+    except ValueError as error:
+        print(f"metrale fleet: {error}", file=sys.stderr)
+        return 2
+    if args.request_timeout < 1:
+        print(f"metrale fleet: --request-timeout must be >= 1, got {args.request_timeout}", file=sys.stderr)
+        return 2
+    try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         socket.create_server((args.host, args.port), family=family).close()
     except OSError as error:
@@ -260,15 +249,14 @@ def run_fleet(args: argparse.Namespace) -> int:
                 for i, port in enumerate(replica_ports)]
     router_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     router_host = f"[{router_host}]" if ":" in router_host else router_host
-    router = Child("router", router_command(args, [r.url for r in replicas], metrics_port),
-                   f"http://{router_host}:{args.port}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.api_key:
         env["METRALE_API_KEY"] = args.api_key
-    fleet = Fleet(replicas, router, env, f"({args.policy}), its metrics http://127.0.0.1:{metrics_port}/metrics")
+    fleet = Fleet(replicas, lambda urls: router_command(args, urls, metrics_port), f"http://{router_host}:{args.port}",
+                  env, config, f"({args.policy}), its metrics http://127.0.0.1:{metrics_port}/metrics")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, fleet.on_signal)
-    return fleet.run(args.startup_timeout, stop_timeout_s=args.shutdown_timeout + 15.0)
+    return fleet.run(stop_timeout_s=args.shutdown_timeout + 15.0)
 
 
 def free_ports(count: int) -> list[int]:
@@ -281,28 +269,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
-
-
-def _get(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> tuple[int, bytes]:
-    """(status, body) of a GET, or (0, b"") when nothing answers."""
-    host_port, _, path = url.removeprefix("http://").partition("/")
-    conn = http.client.HTTPConnection(host_port, timeout=timeout_s)
-    try:
-        conn.request("GET", "/" + path, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-        response = conn.getresponse()
-        return response.status, response.read()
-    except OSError:
-        return 0, b""
-    finally:
-        conn.close()
-
-
-def _healthy_workers(router_url: str, api_key: str | None) -> int:
-    """Replicas the router has registered and finds healthy (/workers answers 200 from the start;
-    /readiness would log a 503 as an error until the first one is in). With an API key, the router
-    asks for it on /workers too."""
-    status, body = _get(router_url + "/workers", api_key)
-    return sum(1 for w in json.loads(body).get("workers", ()) if w.get("is_healthy")) if status == 200 else 0
 
 
 def _say(message: str) -> None:

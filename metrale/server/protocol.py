@@ -11,6 +11,7 @@ metrale.server.structured, tools in metrale.server.tools.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -32,7 +33,7 @@ ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk (guidellm sends it)
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -125,6 +126,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, given back (Qwen3's template reads it)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -149,8 +151,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     function_call: Any = None
     metadata: Any = None
     store: Any = None
-    reasoning_effort: Any = None
-    include_reasoning: Any = None
+    reasoning_effort: str | None = None  # given to the chat template (gpt-oss reads it); "none" turns thinking off
+    include_reasoning: bool | None = None  # vLLM's: false drops reasoning_content from the response
     verbosity: Any = None
     web_search_options: Any = None
     service_tier: Any = None
@@ -170,8 +172,9 @@ _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_id
                 "include_stop_str_in_output", "skip_special_tokens")
 PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
                               "prompt", "messages", "n", "model", "best_of", "echo", "prompt_logprobs",
-                              "chat_template_kwargs", *structured.PARAM_NAMES)
+                              "chat_template_kwargs", "reasoning_effort", *structured.PARAM_NAMES)
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")  # set by the server itself
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -206,12 +209,14 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest,
-                    default_max_tokens: int | None) -> SamplingParams:
+                    default_max_tokens: int | None, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """Validate and translate the sampling fields; a 400 naming the field on any bad value.
 
     A chat request that sets neither max_tokens nor max_completion_tokens gets `default_max_tokens`,
     and when that is None too, the rest of the context (the engine's max_model_len minus the prompt,
-    vLLM's rule). Completions default to OpenAI's 16.
+    vLLM's rule). Completions default to OpenAI's 16; `"max_tokens": null` is treated like a chat request's.
+    `model_defaults` (the engine's sampling_defaults: the model's generation_config.json) fill the sampling
+    fields the request leaves unset.
     """
     _refuse_unsupported(request)
     kwargs: dict[str, Any] = {}
@@ -222,14 +227,16 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
         if isinstance(value, float) and not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number, got {value}", name)
         kwargs[name] = value
+    for name, value in (model_defaults or {}).items():
+        kwargs.setdefault(name, value)
     if request.stop is not None:
         kwargs["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens  # None: the rest
-    elif request.max_tokens is not None:
-        kwargs["max_tokens"] = request.max_tokens
+    else:  # OpenAI's default is 16 (the field's default); an explicit null asks for the rest, as in vLLM
+        kwargs["max_tokens"] = request.max_tokens if request.max_tokens is not None else default_max_tokens
     logprobs = _logprobs(request)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
@@ -267,13 +274,23 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
                           f"the best {request.n} of {request.best_of} is not supported", "best_of")
 
 
-def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
-    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False)."""
-    kwargs = request.chat_template_kwargs or {}
+def template_kwargs(request: Any) -> dict[str, Any]:
+    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False), and
+    reasoning_effort as the template variable of that name (gpt-oss's); reasoning_effort "none" also sets
+    enable_thinking=False (Qwen3's switch) unless the kwargs set it."""
+    kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
     for name in kwargs:
         if not name.isidentifier() or name in _TEMPLATE_RESERVED:
             raise bad_request(f"chat_template_kwargs cannot set {name!r}", "chat_template_kwargs")
-    return dict(kwargs)
+    effort = request.reasoning_effort
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
+                              "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
+        if effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    return kwargs
 
 
 def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:

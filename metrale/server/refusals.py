@@ -62,9 +62,6 @@ CHAT = (
     Refusal("function_call", _never, "is deprecated and not supported; use tool_choice"),
     Refusal("metadata", _is({}), "is not supported: completions are not stored"),
     Refusal("store", _off, "is not supported: completions are not stored"),
-    Refusal("reasoning_effort", _never, "is not supported"),
-    Refusal("include_reasoning", _never, "is not supported: metrale has no reasoning parser, reasoning stays in "
-                                         "content"),
     Refusal("verbosity", _never, "is not supported"),
     Refusal("web_search_options", _never, "is not supported: metrale has no web search"),
     Refusal("service_tier", _is("auto", "default"), "must be \"auto\" or \"default\""),
@@ -87,7 +84,3 @@ def refuse(request: Any, chat: bool) -> None:
         value = getattr(request, refusal.field)
         if value is not None and not refusal.allowed(value):
             raise bad_request(f"{refusal.field} {refusal.reason} (got {value!r})", refusal.field)
-    options = request.stream_options
-    if options is not None and options.continuous_usage_stats:
-        raise bad_request("stream_options.continuous_usage_stats is not supported; include_usage sends the usage "
-                          "once, at the end", "stream_options")

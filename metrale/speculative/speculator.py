@@ -1,8 +1,10 @@
 """Speculator: the engine core's side of speculation, on the event loop.
 
-Before a step it gives each running request that may speculate its drafts (host proposer) or its
-draft count (the runner proposes); after the step it records how many were accepted, per request
-(the adaptive policy) and per draft position (the metrics).
+Before a step it proposes, for each running request that may speculate, its drafts (host proposer)
+or its draft count (the runner proposes), which the engine hands to the scheduler
+(Scheduler.update_draft_token_ids); after the step it records how many were accepted, per request
+(the adaptive policy) and per draft position (the metrics). It reads the scheduler's requests and
+never writes them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from metrale.speculative.config import SpeculativeConfig
 from metrale.speculative.policy import SpeculationPolicy
 from metrale.speculative.proposers import HostProposer, NgramProposer
 from scheduler import Request, SchedulerOutput
+
+Drafts = dict[str, tuple[int, ...] | int]  # request id -> its draft token ids, or how many the runner proposes
 
 
 @dataclass
@@ -39,12 +43,9 @@ class Speculator:
         self.proposer = proposer
         self.policy = SpeculationPolicy(config)
 
-    @property
-    def runner_proposes(self) -> bool:
-        return self.proposer is None
-
-    def propose(self, running: Sequence[Request], params_of: Callable[[str], SamplingParams]) -> None:
-        """Set each decoding request's drafts (or draft count) for the next step."""
+    def propose(self, running: Sequence[Request], params_of: Callable[[str], SamplingParams]) -> Drafts:
+        """Each decoding request's drafts (or draft count) for the next step."""
+        drafts: Drafts = {}
         num_running = len(running)
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1:
@@ -54,17 +55,20 @@ class Speculator:
             if not k:
                 continue
             if self.proposer is None:
-                request.spec_token_ids, request.num_spec_tokens = (), k
+                drafts[request.request_id] = k
                 continue
-            drafts = tuple(self.proposer.propose(request.request_id, request.all_token_ids, k))
-            request.spec_token_ids, request.num_spec_tokens = drafts, len(drafts)
+            proposed = tuple(self.proposer.propose(request.request_id, request.all_token_ids, k))
+            if proposed:
+                drafts[request.request_id] = proposed
+        return drafts
 
-    def record(self, output: SchedulerOutput, sampled: Mapping[str, int | list[int]]) -> Verification:
-        """What this step's verifications accepted (before any stop cut a run short)."""
+    def record(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> Verification:
+        """What this step's verifications accepted (before any stop cut a run short). `sampled`: the
+        tokens of each request that got some (a failed request has none)."""
         result = Verification()
         for s in output.scheduled:
             run = sampled.get(s.request_id)
-            if not s.num_draft_tokens or not isinstance(run, list):
+            if not s.num_draft_tokens or not run:
                 continue
             accepted = len(run) - 1
             self.policy.record(s.request_id, s.num_draft_tokens, accepted)

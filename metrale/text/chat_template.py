@@ -9,6 +9,7 @@ tokens (bos_token, eos_token, ...) as variables. Each distinct template source i
 
 Messages are validated before rendering (ValueError naming the message and the field), and
 content given as a list of text parts is joined with newlines (as vLLM does for text-only models).
+A `developer` message is rendered as the template's developer turn when it names one, else as system.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from jinja2 import nodes
+from jinja2.exceptions import UndefinedError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 CHATML = """{%- for message in messages %}
 {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
@@ -126,6 +128,8 @@ class ChatTemplate:
         self.name = name
         self.special_tokens = {**(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token}
         self._template = _compile(source)
+        # a template that names the developer role renders it (gpt-oss); others get it as system
+        self.has_developer_role = "'developer'" in source or '"developer"' in source
 
     @classmethod
     def builtin(cls, name: str, *, bos_token: str | None = None, eos_token: str | None = None) -> "ChatTemplate":
@@ -155,9 +159,15 @@ class ChatTemplate:
         already holds any bos token the template prints: encode it without adding special tokens.
         """
         checked = validate_messages(messages)
+        if not self.has_developer_role:  # OpenAI's newer name for the system turn
+            checked = [{**m, "role": "system"} if m["role"] == "developer" else m for m in checked]
         variables = {**self.special_tokens, **kwargs}
-        return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                     tools=list(tools) if tools is not None else None, **variables)
+        try:
+            return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
+                                         tools=list(tools) if tools is not None else None, **variables)
+        except UndefinedError as error:  # the template reads a field the request left out (a tool's description)
+            raise ChatTemplateError(f"chat template: {error} (a field it reads is missing from the messages "
+                                    f"or tools)") from error
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -56,7 +56,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """The tokenizer a GGUF file describes: byte-level BPE ("gpt2") or SentencePiece BPE ("llama")."""
+        """The tokenizer a GGUF file describes, tokenizing as llama.cpp does: byte-level BPE ("gpt2"),
+        SentencePiece BPE ("llama"), Gemma 4's BPE ("gemma4") or WordPiece ("bert")."""
         spec = gguf_tokenizer_spec(metadata)
         eos = list(spec.eos_token_ids) + _end_of_turn_ids(spec.chat_template, spec.backend.get_vocab())
         return cls(

@@ -26,7 +26,7 @@ import mlx.core as mx  # noqa: E402
 
 from kvcache.storage import PagedKVCache  # noqa: E402
 from metrale.distributed.group import TensorParallelGroup  # noqa: E402
-from metrale.distributed.messages import ForwardInput  # noqa: E402
+from metrale.engine.step import ForwardInput  # noqa: E402
 from metrale.loading import load_model  # noqa: E402
 
 BLOCK_SIZE = 4

@@ -8,7 +8,7 @@ import pytest
 
 from metrale.distributed.channel import recv_message, send_message
 from metrale.distributed.launcher import free_ports
-from metrale.distributed.messages import ForwardInput
+from metrale.engine.step import ForwardInput
 
 pytestmark = pytest.mark.distributed
 

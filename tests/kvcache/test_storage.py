@@ -28,6 +28,15 @@ def test_from_budget_fits_the_most_blocks(dtype):
     assert cache.layer(0)[0].dtype == dtype
 
 
+def test_from_budget_shares_the_budget_with_other_pools():
+    own = PagedKVCache.bytes_per_block(2, 16, 3, 64)
+    shared = 3 * own  # e.g. a draft model's pools, which hold as many blocks
+    cache = PagedKVCache.from_budget(10 * (own + shared) + own, 2, 16, 3, 64, shared_bytes_per_block=shared)
+    assert cache.num_blocks == 10
+    with pytest.raises(ValueError, match=f"holds no block.*{shared} bytes in pools sharing the budget"):
+        PagedKVCache.from_budget(own + shared - 1, 2, 16, 3, 64, shared_bytes_per_block=shared)
+
+
 def test_from_budget_too_small_says_why():
     with pytest.raises(ValueError, match="holds no block"):
         PagedKVCache.from_budget(1000, 30, 16, 3, 64)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler import Request, RequestStatus
+from scheduler import FinishReason, Request, RequestStatus
 
 
 def test_token_views_and_counts():
@@ -39,12 +39,12 @@ def test_token_ids_must_be_ints():
     ],
 )
 def test_finish_reason_mapping(status, reason):
-    assert status.is_finished and status.finish_reason == reason
-    assert RequestStatus.from_finish_reason(reason) is status
+    assert status.is_finished and status.finish_reason == reason and status.finish_reason is FinishReason(reason)
+    assert RequestStatus.finished_with(FinishReason(reason)) is status
 
 
 def test_unfinished_statuses_have_no_reason():
     for status in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED):
         assert not status.is_finished and status.finish_reason is None
-    with pytest.raises(ValueError, match="unknown finish reason 'eos'"):
-        RequestStatus.from_finish_reason("eos")
+    with pytest.raises(ValueError, match="'eos' is not a valid FinishReason"):
+        RequestStatus.finished_with("eos")

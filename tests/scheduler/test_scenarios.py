@@ -172,8 +172,7 @@ class Driver:
             room = req.max_tokens - req.num_output_tokens - 1
             if req.num_tokens - req.num_computed_tokens == 1 and room > 0:
                 k = self.rng.randint(1, min(room, 5))
-                req.spec_token_ids = tuple(self.rng.randrange(2, 10) for _ in range(k))
-                req.num_spec_tokens = k
+                self.sched.update_draft_token_ids({rid: tuple(self.rng.randrange(2, 10) for _ in range(k))})
 
     def verify(self, scheduled) -> int | list[int]:
         """The made-up runner: a plain sample, or a random prefix of the drafts plus its own token."""

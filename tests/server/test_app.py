@@ -308,3 +308,40 @@ async def test_chat_template_kwargs_reach_the_template(app, engine):
                                        "chat_template_kwargs": {"enable_thinking": False, "x": [1]}})
     assert r.status == 200, r.body
     assert engine.template_kwargs == [{"enable_thinking": False, "x": [1]}]
+
+
+async def test_the_client_request_id_is_echoed_as_a_response_header(app):
+    r = await call(app, "POST", CHAT, {"model": "fake-model", "messages": MESSAGES, "max_tokens": 1},
+                   headers={"X-Request-Id": "client-42"})
+    assert r.status == 200 and r.headers["x-request-id"] == "client-42"
+    r = await call(app, "GET", "/v1/models", headers={"X-Request-Id": "client-43"})
+    assert r.headers["x-request-id"] == "client-43"
+    assert "x-request-id" not in (await call(app, "GET", "/v1/models")).headers
+
+
+async def test_the_chat_role_goes_out_with_the_first_token_not_before(engine, app):
+    """vllm bench serve's TTFT is the time to the first chunk: a role chunk sent on acceptance made it ~0."""
+    engine.step_s = 0.0
+    r = await call(app, "POST", CHAT, {"model": "fake-model", "messages": MESSAGES, "max_tokens": 2, "stream": True})
+    first, second = r.events()[:2]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert second["choices"][0]["delta"] == {"content": "Hello"}
+
+
+async def test_an_aborted_chat_stream_sends_no_role_before_its_error(engine, app):
+    engine.reject = None
+    engine.fail_after = 0
+    r = await call(app, "POST", CHAT, {"model": "fake-model", "messages": MESSAGES, "max_tokens": 2, "stream": True})
+    events = r.events()
+    assert "error" in events[0] and events[-1] == "[DONE]"
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(app):
+    """guidellm sends stream_options.continuous_usage_stats on every streamed request."""
+    for path, body in ((CHAT, {"messages": MESSAGES}), (COMPLETIONS, {"prompt": "a b c"})):
+        r = await call(app, "POST", path, {"model": "fake-model", "max_tokens": 3, "stream": True, **body,
+                                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        chunks = [e for e in r.events() if e != "[DONE]"]
+        completion = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+        assert completion == sorted(completion) and completion[-1] == 3
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3

@@ -9,8 +9,9 @@
   retried on the survivor), an HTTP 5xx with a JSON error body, or a stream cut at the transport level
   (the chunked body ends early, no `data: [DONE]`), which HTTP clients report as an error. Never a
   hang, never a stream that looks complete;
-- `metrale fleet` itself: ready line per process, SIGTERM stops everything with status 0, and a
-  replica that dies stops the rest with status 1.
+- `metrale fleet` itself: ready line per process, SIGTERM stops everything with status 0, and with
+  no restarts left (--max-restarts 0) a replica that dies stops the rest with status 1 (its
+  supervision: test_fleet_supervisor.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -33,7 +32,8 @@ httpx = pytest.importorskip("httpx")
 
 from metrale.cli import build_parser  # noqa: E402
 from metrale.server.fleet import free_ports, router_command  # noqa: E402
-from tests.server.serve import ROOT, ServerProcess, free_port  # noqa: E402
+from tests.server.fleet_helpers import FleetProcess, tiny_model, wait_gone  # noqa: E402, F401
+from tests.server.serve import ServerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.router, pytest.mark.timeout(180)]
 
@@ -41,23 +41,6 @@ SERVED = "tiny"
 SERVE_ARGS = ("--max-model-len", "1024", "--kv-cache-mib", "16", "--served-model-name", SERVED)
 SYSTEM = ("You are a careful assistant for a small library. Answer questions about opening hours, "
           "borrowing rules, late fees and the reading room politely and briefly. ") * 3  # 471 chars, 390 tokens
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    """A random tiny llama GGUF with a 2048-token context (written in a child: keeps mlx out of here)."""
-    path = tmp_path_factory.mktemp("fleet") / "tiny.gguf"
-    code = ("import sys, mlx.core as mx\n"
-            "from mlx.utils import tree_flatten\n"
-            "from tests.metrale.model_helpers import tiny_config_dict, write_tiny_gguf\n"
-            "from metrale.models.config import ModelConfig\n"
-            "from metrale.models.llama import LlamaForCausalLM\n"
-            "config = tiny_config_dict(max_position_embeddings=2048)\n"
-            "mx.random.seed(0)\n"
-            "write_tiny_gguf(sys.argv[1], config, tree_flatten(LlamaForCausalLM(ModelConfig.from_hf_dict(config))"
-            ".parameters()))\n")
-    subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, check=True, timeout=120)
-    return str(path)
 
 
 def fleet_args(*argv: str):
@@ -121,47 +104,6 @@ def cluster(tiny_model):
         yield router, servers
 
 
-class FleetProcess:
-    """`metrale fleet` as a subprocess; `lines` are its stdout lines so far."""
-
-    def __init__(self, *argv: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "metrale.cli", "fleet", "--port", str(self.port), *argv],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.lines: list[str] = []
-
-    def wait_ready(self, replicas: int, timeout_s: float = 120.0) -> dict[str, int]:
-        """{process name: pid} once the fleet printed a line per process."""
-        deadline = time.monotonic() + timeout_s
-        pids: dict[str, int] = {}
-        while len(pids) < replicas + 1:
-            assert time.monotonic() < deadline and self.proc.poll() is None, self.lines
-            line = self.proc.stdout.readline()
-            self.lines.append(line)
-            match = re.match(r"metrale fleet: (router|replica-\d+) (http://\S+) pid (\d+)", line)
-            if match:
-                pids[match.group(1)] = int(match.group(3))
-        return pids
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
-
-
-def _gone(pid: int, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.fixture
 def fleet_process():
     started: list[FleetProcess] = []
@@ -185,11 +127,12 @@ def test_fleet_command_serves_and_stops_on_sigterm(tiny_model, fleet_process):
     assert response.status_code == 200 and response.json()["model"] == SERVED, response.text
     fleet.proc.send_signal(signal.SIGTERM)
     assert fleet.proc.wait(60) == 0
-    assert all(_gone(pid) for pid in pids.values())
+    assert wait_gone(set(pids.values())) == set()
 
 
-def test_fleet_with_an_api_key_stops_everything_when_a_replica_dies(tiny_model, fleet_process):
-    fleet = fleet_process("--replicas", "1", "--model", tiny_model, *SERVE_ARGS, env={"METRALE_API_KEY": "k3y"})
+def test_fleet_out_of_restarts_stops_everything_when_a_replica_dies(tiny_model, fleet_process):
+    fleet = fleet_process("--replicas", "1", "--max-restarts", "0", "--model", tiny_model, *SERVE_ARGS,
+                          env={"METRALE_API_KEY": "k3y"})
     pids = fleet.wait_ready(1)
     url = f"http://127.0.0.1:{fleet.port}/v1/chat/completions"
     assert httpx.post(url, json=chat(SYSTEM, "hi"), timeout=30).status_code == 401  # refused by the router
@@ -197,8 +140,8 @@ def test_fleet_with_an_api_key_stops_everything_when_a_replica_dies(tiny_model, 
     assert response.status_code == 200, response.text
     os.kill(pids["replica-0"], signal.SIGKILL)
     assert fleet.proc.wait(60) == 1
-    assert _gone(pids["router"])
-    assert any("replica-0" in line and "exited" in line for line in fleet.proc.stdout.read().splitlines())
+    assert wait_gone(set(pids.values())) == set()
+    fleet.wait_line(r"replica-0 \(pid \d+\) was killed by SIGKILL; replica-0 restarted 0 times in 300 s: giving up")
 
 
 def test_router_registers_both_replicas_under_the_served_model_id(cluster):

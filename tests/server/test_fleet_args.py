@@ -61,6 +61,7 @@ def test_router_flags():
     assert value("--cb-failure-threshold") == "5"  # --router-args come last and override the defaults
     assert value("--balance-abs-threshold") == "8"
     assert value("--health-check-interval-secs") == "2"
+    assert value("--request-timeout-secs") == "600"  # a total bound: streams included
 
 
 def test_router_flags_parse_with_the_installed_router():
@@ -69,6 +70,7 @@ def test_router_flags_parse_with_the_installed_router():
     parsed = launch.parse_router_args(fleet.router_argv(args, ["http://127.0.0.1:1"], 42000))
     assert parsed.policy == "cache_aware" and parsed.worker_urls == ["http://127.0.0.1:1"]
     assert (parsed.prometheus_port, parsed.cb_failure_threshold, parsed.health_check_interval_secs) == (42000, 5, 2)
+    assert parsed.request_timeout_secs == 600
 
 
 def test_a_taken_port_fails_before_anything_starts(capsys):
@@ -82,3 +84,13 @@ def test_a_taken_port_fails_before_anything_starts(capsys):
 def test_free_ports_are_distinct():
     ports = fleet.free_ports(5)
     assert len(set(ports)) == 5
+
+
+@pytest.mark.parametrize("flags, message", [(("--hang-timeout", "0"), "hang_timeout_s must be > 0"),
+                                            (("--max-restarts", "-1"), "max_restarts must be >= 0"),
+                                            (("--request-timeout", "0"), "--request-timeout must be >= 1")])
+def test_supervision_settings_that_cannot_work_are_refused(flags, message, capsys):
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router is not installed: run_fleet stops before these checks")
+    assert fleet.run_fleet(fleet_args(*flags)) == 2
+    assert message in capsys.readouterr().err

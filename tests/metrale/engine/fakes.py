@@ -1,6 +1,6 @@
 """Fast doubles for the engine room: a runner with no model, a tokenizer of letters, a core to drive.
 
-FakeRunner follows ModelRunner's contract (StepInput in, StepResult out, on the MLX thread) with a
+FakeRunner follows ModelRunner's contract (StepInput in, RowResults out, on the MLX thread) with a
 rule instead of a model: the token sampled after a sequence is (its last token + 1) % vocab_size.
 FakeTokenizer decodes token i as the letter chr(97 + i % 26), so texts are easy to predict.
 """
@@ -17,7 +17,8 @@ from kvcache.manager import KVCacheManager
 from metrale.engine.core import EngineCore
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
-from metrale.engine.runner import StepInput, StepResult
+from metrale.engine.runner import StepInput
+from metrale.engine.step import RowResult
 from metrale.engine.stream import RequestStream
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.sampling_params import SamplingParams
@@ -44,17 +45,17 @@ class FakeRunner:
     before_step: Callable[[StepInput], None] | None = None
     failpoints: Failpoints = field(default_factory=lambda: NO_FAILPOINTS)
 
-    def execute(self, step: StepInput) -> StepResult:
+    def execute(self, step: StepInput) -> list[RowResult]:
         self.steps.append(step)
         self.failpoints.check_any("execute", [s.request_id for s in step.scheduler_output.scheduled])
         if self.before_step is not None:
             self.before_step(step)
-        sampled = {}
+        rows = []
         for row in step.sampling_rows:
             self.failpoints.check("sample", row.request_id)
             last = row.output_token_ids[-1] if row.output_token_ids else row.prompt_token_ids[-1]
-            sampled[row.request_id] = (last + 1) % self.vocab_size
-        return StepResult(sampled)
+            rows.append(RowResult(row.request_id, ((last + 1) % self.vocab_size,)))
+        return rows
 
 
 class FakeEngine:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import msgspec
 import pytest
 
-from metrale.engine.runner import StepInput, StepResult
+from metrale.engine.runner import StepInput
+from metrale.engine.step import RowError, RowResult
 from metrale.errors import RequestFailedError
 from metrale.sampling_params import SamplingParams
 from tests.metrale.engine.fakes import FakeEngine, FakeRunner
@@ -26,12 +28,14 @@ class ScriptedRunner(FakeRunner):
         self.stop_after: dict[str, int] = {}
         self.fail: set[str] = set()
 
-    def execute(self, step: StepInput) -> StepResult:
-        result = super().execute(step)
-        stopped = frozenset(row.request_id for row in step.sampling_rows
-                            if len(row.output_token_ids) + 1 == self.stop_after.get(row.request_id))
-        failed = {i: RuntimeError(f"grammar of {i} broke") for i in result.sampled_token_ids if i in self.fail}
-        return StepResult(result.sampled_token_ids, None, stopped, failed or None)
+    def execute(self, step: StepInput) -> list[RowResult]:
+        rows = super().execute(step)
+        stopped = {row.request_id for row in step.sampling_rows
+                   if len(row.output_token_ids) + 1 == self.stop_after.get(row.request_id)}
+        return [msgspec.structs.replace(
+            row, stopped=row.request_id in stopped,
+            error=RowError.of(RuntimeError(f"grammar of {row.request_id} broke")) if row.request_id in self.fail else None)
+            for row in rows]
 
 
 @pytest.fixture

@@ -88,11 +88,12 @@ def test_a_batch_without_prompt_logprobs_computes_no_extra_rows(tmp_path):
                            ScheduledRequest("b", tuple(b), 0, (5,), samples=True)), 9, (), BLOCK)
     rows = (SamplingRow("a", greedy, a, []), SamplingRow("b", greedy, b, []))
     plain = runner.execute(StepInput(out, rows))
-    assert seen == [2] and plain.prompt_logprobs is None
+    assert seen == [2] and all(row.prompt_logprobs is None for row in plain)
     asked = runner.execute(StepInput(out, rows, prompt_logprobs=(PromptLogprobsRow("b", 0, b),)))
     assert seen == [2, 4]  # b's rows at positions 0 and 1 score its tokens 1 and 2; a computes none
-    first, items = asked.prompt_logprobs["b"]
+    (b_row,) = [row for row in asked if row.request_id == "b"]
+    first, items = b_row.prompt_logprobs.first_position, b_row.prompt_logprobs.logprobs
     assert first == 1 and [i.token_id for i in items] == b[1:]
     want = expected(reference, b, 0)
     assert [round(i.logprob, 4) for i in items] == [round(float(w[0]), 4) for w in want]
-    assert asked.sampled_token_ids == plain.sampled_token_ids
+    assert [row.token_ids for row in asked] == [row.token_ids for row in plain]

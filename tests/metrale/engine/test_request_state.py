@@ -6,6 +6,7 @@ from metrale.engine.request_state import RequestState
 from metrale.sampling_params import SamplingParams
 from metrale.text.processor import OutputProcessor
 from tests.metrale.engine.fakes import EOS, FakeTokenizer
+from scheduler import FinishReason
 
 
 def state(params: SamplingParams) -> RequestState:
@@ -20,7 +21,7 @@ def test_tokens_become_text_and_counts():
 
 def test_stop_token_counts_but_is_not_text():
     s = state(SamplingParams(max_tokens=8, skip_special_tokens=False))
-    out = s.on_tokens((2, EOS), "stop", hide_last_token=True, logprobs=None).output
+    out = s.on_tokens((2, EOS), FinishReason.STOP, hide_last_token=True, logprobs=None).output
     assert out.text == "c" and out.num_output_tokens == 2 and out.finish_reason == "stop"
 
 
@@ -35,7 +36,7 @@ def test_stop_string_is_held_back_then_cut():
 def test_error_releases_held_text_and_abort_drops_it():
     held = state(SamplingParams(max_tokens=8, stop=["cd"]))
     held.on_tokens((2,), None, hide_last_token=False, logprobs=None)
-    assert held.final_output("error").text == "c"
+    assert held.final_output(FinishReason.ERROR).text == "c"
     dropped = state(SamplingParams(max_tokens=8, stop=["cd"]))
     dropped.on_tokens((2,), None, hide_last_token=False, logprobs=None)
-    assert dropped.final_output("abort").text == ""
+    assert dropped.final_output(FinishReason.ABORT).text == ""

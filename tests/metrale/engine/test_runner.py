@@ -33,20 +33,20 @@ def test_prefill_and_decode_in_one_step_match_the_reference(tmp_path):
     a, b = [5, 9, 13, 2, 7, 40], [3, 17, 4]
     first = SchedulerOutput((scheduled("a", a, 0, [7, 2]), scheduled("b", b, 0, [5])), len(a) + len(b), (), BLOCK)
     rows = (SamplingRow("a", greedy, a, []), SamplingRow("b", greedy, b, []))
-    out = runner.execute(StepInput(first, rows)).sampled_token_ids
+    out = {row.request_id: row.token_ids[0] for row in runner.execute(StepInput(first, rows))}
     expect_a = int(np.argmax(np.array(reference_logits(reference, a)[-1])))
     expect_b = int(np.argmax(np.array(reference_logits(reference, b)[-1])))
     assert out == {"a": expect_a, "b": expect_b}
     # the next step decodes b's sampled token over the KV the first step wrote
     second = SchedulerOutput((scheduled("b", [expect_b], len(b), [5]),), 1, (), BLOCK)
-    out2 = runner.execute(StepInput(second, (SamplingRow("b", greedy, b, [expect_b]),))).sampled_token_ids
-    assert out2["b"] == int(np.argmax(np.array(reference_logits(reference, b + [expect_b])[-1])))
+    (row,) = runner.execute(StepInput(second, (SamplingRow("b", greedy, b, [expect_b]),)))
+    assert row.request_id == "b" and row.token_ids[0] == int(np.argmax(np.array(reference_logits(reference, b + [expect_b])[-1])))
 
 
 def test_a_step_that_samples_nothing_only_fills_the_pools(tmp_path):
     runner, _ = tiny_runner(tmp_path)
     chunk = ScheduledRequest("a", (1, 2, 3, 4), 0, (3,), samples=False)
     result = runner.execute(StepInput(SchedulerOutput((chunk,), 4, (), BLOCK), ()))
-    assert result.sampled_token_ids == {} and result.logprobs is None
+    assert result == []
     k_pool, _ = runner.kv_cache.layer(0)
     assert np.abs(np.array(k_pool[3 * BLOCK: 4 * BLOCK])).sum() > 0  # block 3 now holds their keys

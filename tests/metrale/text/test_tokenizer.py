@@ -61,7 +61,7 @@ def test_add_bos_token_wraps_encodings_only_with_special_tokens():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"tokenizer.ggml.model": "bert"}, r"tokenizer model 'bert' is not supported; supported: 'gpt2' \(byte-level"),
+        ({"tokenizer.ggml.model": "rwkv"}, r"tokenizer model 'rwkv' is not supported; supported: 'gpt2' \(byte-level"),
         ({"tokenizer.ggml.pre": "chameleon"}, r"pre-tokenizer 'chameleon' is not supported; supported: .*smollm"),
         ({"tokenizer.ggml.eos_token_id": mx.array(500)}, r"eos token id 500 out of range for a vocabulary of 101"),
     ],
@@ -125,6 +125,7 @@ def test_real_tokenizer_known_ids(gguf_metadata):
     tok = Tokenizer.from_gguf_metadata(gguf_metadata)
     assert tok.encode("Hello world") == [19556, 905]
     assert tok.encode("<|im_start|>user\nHi<|im_end|>") == [1, 4093, 198, 26843, 2]
+    assert tok.encode('" \x1d?|s0') == [18, 216, 44817, 99, 32]  # llama.cpp's: no merge across the unknown \x1d
     assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.eos_tokens) == (49152, 1, (2,), ("<|im_end|>",))
     assert "<|im_start|>" in tok.chat_template and len(tok.special_tokens) == 17
     for text in SAMPLES:

@@ -1,0 +1,228 @@
+"""Ollama's API, for Open WebUI, Continue, the `ollama` clients and the tools built on them:
+
+    GET  /  HEAD /          "Ollama is running"           GET  /api/version     {"version"}
+    GET  /api/tags          the served model               GET  /api/ps          it, resident
+    POST /api/show          its details and capabilities
+    POST /api/chat          chat (tools, format, options, think), NDJSON-streamed unless "stream": false
+    POST /api/generate      a prompt through the chat template, or "raw": true as it is
+    POST /api/embed /api/embeddings /api/pull /api/push /api/create /api/copy /api/delete
+                            refused with Ollama's error body: this server serves the one model it loaded
+
+Requests are translated (ollama_protocol.py) into the OpenAI routes' requests and go through the same
+validation, template, tool plan and engine stream (completions.open_stream). A streamed answer is one JSON object
+per line; the last has "done": true, "done_reason" ("stop" | "length") and the counts and durations in
+nanoseconds. Tool calls arrive whole, in one object before the last. Errors are `{"error": "<message>"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+
+from metrale.engine.protocol import EngineClient
+from metrale.errors import RequestFailedError
+from metrale.outputs import RequestOutput
+from metrale.server import completions, protocol
+from metrale.server import ollama_protocol as op
+from metrale.server.asgi import Receive, Send, run_until_disconnect, send_bytes, send_json
+from metrale.server.errors import APIError
+
+# The Ollama API version this surface follows; clients compare it to decide which fields to send.
+API_VERSION = "0.12.0"
+_NDJSON = [(b"content-type", b"application/x-ndjson")]
+_REFUSED = {"/api/embed", "/api/embeddings", "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete",
+            "/api/blobs"}
+_encode = msgspec.json.Encoder().encode
+
+
+def serves(path: str) -> bool:
+    return path == "/" or path.startswith("/api/")
+
+
+async def handle(engine: EngineClient, served_model: str, method: str, path: str, body: bytes, send: Send,
+                 receive: Receive, *, request_id: str | None = None, tool_call_format: str | None = None,
+                 model_aliases: tuple[str, ...] = ()) -> None:
+    """Serve one Ollama API request; anything refused is `{"error": ...}` with the OpenAI routes' status."""
+    try:
+        if path == "/" and method in ("GET", "HEAD"):
+            return await send_bytes(send, 200, b"Ollama is running", [(b"content-type", b"text/plain")])
+        if engine.max_model_len == 0:
+            raise APIError(503, "model is loading; retry shortly", code="loading")
+        if method == "GET" and path in _READS:
+            return await send_json(send, 200, _READS[path](engine, served_model))
+        if method != "POST":
+            raise APIError(405, f"{path} does not accept {method}", code="method_not_allowed")
+        if path == "/api/show":
+            request = protocol.decode(body, op.ModelRequest)
+            protocol.model_or_404(op.model_name(request.model_name), served_model, model_aliases)
+            return await send_json(send, 200, _show(engine, served_model))
+        if path not in ("/api/chat", "/api/generate"):
+            raise APIError(400 if path in _REFUSED else 404, _refusal(path), code="not_supported")
+        chat = path == "/api/chat"
+        ollama_request = protocol.decode(body, op.ChatRequest if chat else op.GenerateRequest)
+        request = op.chat_request(ollama_request) if chat else op.generate_request(ollama_request)
+        call, stream = await completions.open_stream(engine, served_model, request, default_max_tokens=None,
+                                                     request_id=request_id, tool_call_format=tool_call_format,
+                                                     model_aliases=model_aliases)
+    except APIError as error:
+        if error.reject_reason is not None:
+            engine.record_rejected(error.reject_reason)
+        return await send_json(send, error.status, {"error": error.message}, error.headers)
+    answer = _Answer(ollama_request.model, call, chat)
+    respond = _stream_response if ollama_request.stream else _full_response
+    try:
+        await run_until_disconnect(respond(answer, stream, send), receive)
+    finally:
+        await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+def _refusal(path: str) -> str:
+    if path in ("/api/embed", "/api/embeddings"):
+        return "this model does not support embeddings"
+    if path in _REFUSED:
+        return f"{path} is not supported: this server serves the model it was started with"
+    return f"no route for {path}"
+
+
+class _Answer:
+    """One answer's text, tool calls and timings as the deltas arrive."""
+
+    def __init__(self, model: str, call: Any, chat: bool) -> None:
+        self.model = model
+        self.call = call
+        self.chat = chat
+        self.parser = call.plan.stream() if call.plan is not None else None
+        self.started_ns = time.monotonic_ns()
+        self.first_token_ns: int | None = None
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, str]] = {}  # index -> name, arguments text
+        self.last: RequestOutput | None = None
+
+    def feed(self, out: RequestOutput) -> str:
+        """The content text this delta makes certain (tool calls are kept until the end)."""
+        self.last = out
+        if self.first_token_ns is None and out.token_ids:
+            self.first_token_ns = time.monotonic_ns()
+        if self.parser is None:
+            self.text.append(out.text)
+            return out.text
+        fields = self.parser.delta(out.text, final=out.finish_reason is not None)
+        for call in fields.get("tool_calls", ()):
+            entry = self.calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] = call["function"].get("name") or entry["name"]
+            entry["arguments"] += call["function"].get("arguments") or ""
+        content = fields.get("content", "")
+        self.text.append(content)
+        return content
+
+    def chunk(self, content: str, tool_calls: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "created_at": _now()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"] = [{"function": {"index": index, "name": call["name"],
+                                                       "arguments": _arguments(call["arguments"])}}
+                                         for index, call in sorted(self.calls.items())]
+            body["message"] = message
+        else:
+            body["response"] = content
+        return {**body, "done": False}
+
+    def final(self, content: str) -> dict[str, Any]:
+        """The last object: done, why, and Ollama's counts and durations (nanoseconds)."""
+        last = self.last
+        now = time.monotonic_ns()
+        first = self.first_token_ns or now
+        body = {**self.chunk(content, tool_calls=bool(self.calls)), "done": True,
+                "done_reason": "length" if last.finish_reason == "length" else "stop",
+                "total_duration": now - self.started_ns, "load_duration": 0,
+                "prompt_eval_count": last.num_prompt_tokens, "prompt_eval_duration": first - self.started_ns,
+                "eval_count": last.num_output_tokens, "eval_duration": now - first}
+        if not self.chat:
+            body["context"] = []  # no resumable context: send the conversation again
+        return body
+
+
+def _arguments(text: str) -> Any:
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return {"_raw_arguments": text}  # not JSON as the model wrote it: handed over as it is
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+async def _full_response(answer: _Answer, stream: Any, send: Send) -> None:
+    try:
+        async for out in stream:
+            answer.feed(out)
+    except RequestFailedError as error:
+        raise APIError(500, str(error), code="request_failed") from error
+    if answer.last is None or answer.last.finish_reason == "abort":
+        raise APIError(503, completions.ABORTED, code="aborted")
+    await send_json(send, 200, answer.final("".join(answer.text)))
+
+
+async def _stream_response(answer: _Answer, stream: Any, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": _NDJSON})
+
+    async def line(body: dict[str, Any], more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": _encode(body) + b"\n", "more_body": more})
+
+    try:
+        async for out in stream:
+            if out.finish_reason in ("abort", "error"):
+                answer.last = out
+                continue  # abort: reported below; error: the stream raises next
+            content = answer.feed(out)
+            if out.finish_reason is None and content:
+                await line(answer.chunk(content))
+            elif out.finish_reason is not None:
+                if content:
+                    await line(answer.chunk(content))
+                return await line(answer.final(""), more=False)
+    except RequestFailedError as error:
+        return await line({"error": str(error)}, more=False)
+    await line({"error": completions.ABORTED}, more=False)
+
+
+def _model_entry(engine: EngineClient, served_model: str) -> dict[str, Any]:
+    info = engine.info()
+    return {"name": served_model, "model": served_model, "modified_at": _now(), "size": 0, "digest": "",
+            "details": {"parent_model": "", "format": "gguf" if info.model_path.endswith(".gguf") else "safetensors",
+                        "family": info.model_type, "families": [info.model_type], "parameter_size": "",
+                        "quantization_level": ""}}
+
+
+def _tags(engine: EngineClient, served_model: str) -> dict[str, Any]:
+    return {"models": [_model_entry(engine, served_model)]}
+
+
+def _ps(engine: EngineClient, served_model: str) -> dict[str, Any]:
+    entry = _model_entry(engine, served_model)
+    return {"models": [{**entry, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
+                        "context_length": engine.max_model_len}]}
+
+
+def _version(engine: EngineClient, served_model: str) -> dict[str, Any]:
+    return {"version": API_VERSION}
+
+
+def _show(engine: EngineClient, served_model: str) -> dict[str, Any]:
+    entry = _model_entry(engine, served_model)
+    capabilities = ["completion"] + (["tools"] if engine.tool_call_format is not None else [])
+    return {"modelfile": "", "parameters": "", "template": "", "license": "", "modified_at": entry["modified_at"],
+            "details": entry["details"], "capabilities": capabilities,
+            "model_info": {"general.architecture": entry["details"]["family"],
+                           f"{entry['details']['family']}.context_length": engine.max_model_len}}
+
+
+_READS = {"/api/tags": _tags, "/api/ps": _ps, "/api/version": _version}

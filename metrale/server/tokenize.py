@@ -1,0 +1,75 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes (tools that count tokens or check a prompt without a local
+tokenizer call them):
+
+    /tokenize    {"prompt": "..."} or {"messages": [...], "tools", "chat_template_kwargs", "add_generation_prompt"}
+                 -> {"count", "max_model_len", "tokens": [...], "token_strs": [...] | null}
+    /detokenize  {"tokens": [...]} -> {"prompt": "..."}
+
+The prompt goes through what /v1/completions and /v1/chat/completions would submit (the same tokenizer, the
+same chat template and tools), so `count` is the prompt_tokens a request would use. Token ids are checked like a
+prompt's (ids outside the vocabulary are a 400); at most max_model_len of them are decoded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from metrale.engine.protocol import EngineClient
+from metrale.server import completions, protocol
+from metrale.server.asgi import Send, send_json
+from metrale.server.errors import bad_request
+
+PATHS = ("/tokenize", "/detokenize")
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[protocol.ChatMessage] | None = None
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[protocol.Int64]
+    model: str | None = None
+
+
+async def handle(engine: EngineClient, served_model: str, path: str, body: bytes, send: Send, *,
+                 model_aliases: tuple[str, ...] = ()) -> None:
+    if path == "/detokenize":
+        request = protocol.decode(body, DetokenizeRequest)
+        protocol.model_or_404(request.model, served_model, model_aliases)
+        if len(request.tokens) > engine.max_model_len:
+            raise bad_request(f"tokens holds {len(request.tokens)} ids; at most max_model_len "
+                              f"({engine.max_model_len}) are decoded", "tokens")
+        with completions.engine_errors():
+            token_ids = await engine.prompt_token_ids(request.tokens)  # checks every id against the vocabulary
+        return await send_json(send, 200, {"prompt": engine.decode(token_ids)})
+    request = protocol.decode(body, TokenizeRequest)
+    protocol.model_or_404(request.model, served_model, model_aliases)
+    token_ids = await _token_ids(engine, request)
+    await send_json(send, 200, {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids,
+                                "token_strs": engine.token_texts(token_ids) if request.return_token_strs else None})
+
+
+async def _token_ids(engine: EngineClient, request: TokenizeRequest) -> list[int]:
+    if (request.prompt is None) == (request.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if request.prompt is not None:
+        if not request.add_special_tokens:
+            raise bad_request("add_special_tokens: false is not supported; the prompt is encoded as "
+                              "/v1/completions encodes it", "add_special_tokens")
+        with completions.engine_errors():
+            return list(await engine.prompt_token_ids(request.prompt))
+    if not request.add_generation_prompt:
+        raise bad_request("add_generation_prompt: false is not supported; the messages are rendered as "
+                          "/v1/chat/completions renders them", "add_generation_prompt")
+    chat = msgspec.convert({"messages": msgspec.to_builtins(request.messages), "tools": request.tools,
+                            "chat_template_kwargs": request.chat_template_kwargs}, protocol.ChatCompletionRequest)
+    return list(await completions.prompt_token_ids(engine, chat))
