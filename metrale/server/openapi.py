@@ -13,8 +13,11 @@ from typing import Any
 import msgspec
 
 from metrale import __version__
+from metrale.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from metrale.server.ollama_protocol import ChatRequest, GenerateRequest, ModelRequest
 from metrale.server.protocol import ChatCompletionRequest, CompletionRequest
 from metrale.server.responses_protocol import ResponsesRequest
+from metrale.server.tokenize import DetokenizeRequest, TokenizeRequest
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -26,27 +29,45 @@ _ERRORS = {"400": "invalid request (the message names the field)", "401": "missi
            "405": "wrong method", "408": "the body did not arrive in time", "413": "body over --max-body-bytes",
            "415": "body not declared as JSON", "429": "the waiting queue is full (Retry-After)",
            "500": "the request failed inside the engine", "503": "loading, draining or unhealthy (Retry-After)"}
+# Anthropic's and Ollama's routes answer their own error shapes; the checks before any route (Host, Origin,
+# key, method, body) answer OpenAI's.
+_OTHER_ERRORS = {"anyOf": [{"$ref": "#/components/schemas/Error"}, {
+    "type": "object", "required": ["type", "error"], "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"]}}}, {
+    "type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}]}
 _POST_ERRORS = ("400", "401", "403", "404", "408", "413", "415", "429", "500", "503")
-_POST_ROUTES = (("/v1/completions", "createCompletion", CompletionRequest),
-                ("/v1/chat/completions", "createChatCompletion", ChatCompletionRequest),
-                ("/v1/responses", "createResponse", ResponsesRequest))
+_JSON, _SSE, _NDJSON = "application/json", "text/event-stream", "application/x-ndjson"
+_POST_ROUTES = (  # path, operationId, body type, answer content types
+    ("/v1/completions", "createCompletion", CompletionRequest, (_JSON, _SSE)),
+    ("/v1/chat/completions", "createChatCompletion", ChatCompletionRequest, (_JSON, _SSE)),
+    ("/v1/responses", "createResponse", ResponsesRequest, (_JSON, _SSE)),
+    ("/v1/messages", "anthropicMessages", MessagesRequest, (_JSON, _SSE)),
+    ("/v1/messages/count_tokens", "anthropicCountTokens", CountTokensRequest, (_JSON,)),
+    ("/tokenize", "tokenize", TokenizeRequest, (_JSON,)),
+    ("/detokenize", "detokenize", DetokenizeRequest, (_JSON,)),
+    ("/api/chat", "ollamaChat", ChatRequest, (_JSON, _NDJSON)),
+    ("/api/generate", "ollamaGenerate", GenerateRequest, (_JSON, _NDJSON)),
+    ("/api/show", "ollamaShow", ModelRequest, (_JSON,)),
+)
+_OPENAI_SHAPED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
 _OPEN_ROUTES = ("/health", "/metrics")
 
 
 def openapi_document(*, api_key: bool, model: str) -> dict[str, Any]:
     """The document; `api_key`: whether routes other than /health and /metrics need a bearer token;
     `model`: the served model's id (the example of /v1/models/{model})."""
-    refs, schemas = msgspec.json.schema_components([kind for _, _, kind in _POST_ROUTES], ref_template=_REF)
+    refs, schemas = msgspec.json.schema_components([route[2] for route in _POST_ROUTES], ref_template=_REF)
     schemas = {**schemas, "Error": _ERROR}
     paths: dict[str, Any] = {}
-    for (path, operation_id, _), ref in zip(_POST_ROUTES, refs):
+    for (path, operation_id, _, answers), ref in zip(_POST_ROUTES, refs):
+        errors = _errors(*_POST_ERRORS) if path in _OPENAI_SHAPED else _errors(*_POST_ERRORS, schema=_OTHER_ERRORS)
         paths[path] = {"post": {
             "operationId": operation_id,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-            "responses": {"200": {"description": "the answer, or its server-sent events when stream is true",
-                                  "content": {"application/json": {"schema": {"type": "object"}},
-                                              "text/event-stream": {"schema": {}}}},
-                          **_errors(*_POST_ERRORS)}}}
+            "responses": {"200": {"description": "the answer, or its events when stream is true",
+                                  "content": {kind: {"schema": {"type": "object"} if kind == _JSON else {}}
+                                              for kind in answers}},
+                          **errors}}}
     health_503 = {"description": '{"status": "loading" | "draining" | "unhealthy" | "stopped"}',
                   "content": {"application/json": {"schema": {"type": "object"}}}}
     paths.update({
@@ -57,7 +78,11 @@ def openapi_document(*, api_key: bool, model: str) -> dict[str, Any]:
                                "parameters": [{"name": "model", "in": "path", "required": True,
                                                "schema": {"type": "string"}, "example": model}]},
         "/openapi.json": _get("getOpenAPI", "this document", "401"),
+        "/": _get("ollamaRoot", '"Ollama is running"', "401", content="text/plain"),
     })
+    for path, operation_id in (("/api/version", "ollamaVersion"), ("/api/tags", "ollamaTags"),
+                               ("/api/ps", "ollamaPs")):
+        paths[path] = _get(operation_id, "Ollama's answer", "401", "503", errors=_OTHER_ERRORS)
     paths["/health"]["get"]["responses"]["503"] = health_503
     for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load"):
         paths[path] = _get(path.strip("/").replace("_", " ").title().replace(" ", ""), "see worker_api.py",
@@ -76,13 +101,14 @@ def openapi_document(*, api_key: bool, model: str) -> dict[str, Any]:
     return document
 
 
-def _get(operation_id: str, description: str, *statuses: str, content: str = "application/json") -> dict[str, Any]:
+def _get(operation_id: str, description: str, *statuses: str, content: str = _JSON,
+         errors: dict[str, Any] | None = None) -> dict[str, Any]:
     schema = {"type": "string"} if content == "text/plain" else {}
     return {"get": {"operationId": operation_id,
                     "responses": {"200": {"description": description, "content": {content: {"schema": schema}}},
-                                  **_errors("403", *statuses)}}}
+                                  **_errors("403", *statuses, schema=errors)}}}
 
 
-def _errors(*statuses: str) -> dict[str, Any]:
-    return {s: {"description": _ERRORS[s], "content": {"application/json": {"schema": {"$ref": _REF.format(
-        name="Error")}}}} for s in statuses}
+def _errors(*statuses: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    schema = schema or {"$ref": _REF.format(name="Error")}
+    return {s: {"description": _ERRORS[s], "content": {_JSON: {"schema": schema}}} for s in statuses}

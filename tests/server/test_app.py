@@ -194,7 +194,8 @@ async def test_api_key(engine):
 @pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("GET", "/v1/models/fake-model"),
                                               ("POST", CHAT), ("POST", "/v1/responses"), ("GET", "/server_info"),
                                               ("GET", "/get_model_info"), ("GET", "/get_load"), ("GET", "/nope"),
-                                              ("GET", "/openapi.json")])
+                                              ("GET", "/openapi.json"), ("POST", "/v1/messages"),
+                                              ("POST", "/tokenize"), ("GET", "/api/tags"), ("GET", "/")])
 async def test_every_route_but_health_and_metrics_needs_the_key(engine, method, path):
     app = ServerApp(engine, manage_engine=False, api_key="sekret")
     r = await call(app, method, path, {"messages": MESSAGES})

@@ -13,8 +13,10 @@ from metrale.server.openapi import openapi_document
 from metrale.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server.fakes import FakeEngine, call
 
-POSTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-GETS = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/openapi.json", *worker_api.INFO_PATHS)
+POSTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+         "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/show")
+GETS = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/openapi.json", *worker_api.INFO_PATHS,
+        "/", "/api/version", "/api/tags", "/api/ps")
 
 
 async def test_the_route_serves_the_document():
