@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
@@ -20,13 +20,11 @@ from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
 from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
-from metrale.text.chat_template import ROLES
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # The body's request_id, bounded like X-Request-Id (it names log lines and the response id)
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
                                         description="printable ASCII without spaces, like X-Request-Id")]
-NonEmpty = msgspec.Meta(min_length=1)  # also in /openapi.json, so that a fuzzer gets past it
 MAX_N = 128  # choices per request, OpenAI's own limit: n sizes per-sequence work before any other check
 ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
@@ -108,7 +106,7 @@ class _SamplingFields(_Refusable, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/completions."""
 
-    prompt: Annotated[str, NonEmpty] | Annotated[list[Any], NonEmpty]
+    prompt: str | list[Any]
     max_tokens: Int64 | None = 16
     echo: bool = False
     suffix: str | None = None
@@ -121,7 +119,7 @@ class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: Literal[ROLES]  # type: ignore[valid-type]  # the roles chat templates know, also in /openapi.json
+    role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
@@ -132,7 +130,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], NonEmpty]
+    messages: list[ChatMessage]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False

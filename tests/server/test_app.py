@@ -137,7 +137,7 @@ async def test_request_id_names_the_request_and_the_response(app, engine):
     (CHAT, {"messages": [123]}, 400, "messages[0]"),
     (CHAT, {"messages": [{}]}, 400, "messages[0]"),
     (CHAT, {"messages": [{"role": 123}]}, 400, "messages[0].role"),
-    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
 ])
