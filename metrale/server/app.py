@@ -178,14 +178,14 @@ class ServerApp:
             body = await self._json_body(scope, receive) if method == "POST" else b""
             return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
                                        request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                       model_aliases=self.model_aliases)
+                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         if path in anthropic.PATHS:
             body = await self._json_body(scope, receive)
             return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
                                           request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                          model_aliases=self.model_aliases)
+                                          model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             body = await self._json_body(scope, receive)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
