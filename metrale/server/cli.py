@@ -26,6 +26,7 @@ from metrale.server.connections import deadline_protocol
 from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
 from metrale.server.hosts import HostPolicy, parse_allowed_hosts
+from metrale.settings import RuntimeSettings
 from metrale.text.output_parsing import CHOOSABLE
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="Host headers answered (DNS rebinding): a comma list of names and *.domain patterns, "
                            "or * for any; IP addresses, localhost and --host names always pass (default: those "
                            "only when listening on loopback, any Host otherwise)")
-    http.add_argument("--api-key", default=os.environ.get("METRALE_API_KEY"),
+    http.add_argument("--api-key", default=None,
                       help="require this bearer token on every route but /health and /metrics "
                            "(default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
@@ -230,6 +231,7 @@ def run_serve(args: argparse.Namespace) -> int:
         collector(registry=registry)
     try:
         engine_cfg = engine_config(args)
+        settings = RuntimeSettings.resolve(engine_cfg, api_key=args.api_key)
         origins = parse_origins(args.allowed_origins)
         hosts = listen_hosts(args.host)
         host_policy = HostPolicy.for_listen(hosts, parse_allowed_hosts(args.allowed_hosts))
@@ -241,8 +243,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 1
-    engine = AsyncEngine(engine_cfg, registry=registry)
-    app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+    engine = AsyncEngine(engine_cfg, registry=registry, settings=settings)
+    app = ServerApp(engine, api_key=settings.api_key, served_model_name=args.served_model_name,
                     model_aliases=tuple(args.model_alias or ()),
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -145,7 +145,7 @@ async def open_stream(engine: EngineClient, served_model: str,
                    else structured.source_of(request))
     options = request.stream_options
     include_usage = options is not None and (options.include_usage or options.continuous_usage_stats)
-    with engine_errors():
+    with engine_errors(protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS):
         if chat:
             prompt_ids = await _chat_prompt_ids(engine, request, plan, model_format)
         else:
@@ -167,19 +167,20 @@ async def open_stream(engine: EngineClient, served_model: str,
 async def prompt_token_ids(engine: EngineClient, request: protocol.ChatCompletionRequest) -> list[int]:
     """The token ids a chat request's prompt renders to (its tools included), as open_stream would submit."""
     plan = tools.plan(request, engine.tool_call_format)
-    with engine_errors():
+    with engine_errors(protocol.CHAT_FIELDS):
         return await _chat_prompt_ids(engine, request, plan, engine.tool_call_format)
 
 
 @contextmanager
-def engine_errors() -> Iterator[None]:
-    """The engine's submit-time errors (typed rejections, bad params) as APIErrors; others propagate."""
+def engine_errors(renames: Mapping[str, str] | None = None) -> Iterator[None]:
+    """The engine's submit-time errors (typed rejections, bad params) as APIErrors; others propagate.
+    `renames`: the engine's parameter names as the route calls them (protocol.CHAT_FIELDS, ...)."""
     try:
         yield
     except APIError:
         raise
     except Exception as error:
-        api_error = from_engine_error(error, protocol.PARAM_NAMES)
+        api_error = from_engine_error(error, renames)
         if api_error is None:
             raise
         raise api_error from error

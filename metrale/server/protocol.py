@@ -19,7 +19,7 @@ import msgspec
 from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
 from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
-from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
+from metrale.server.errors import APIError, bad_request, from_decode_error, request_field
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # The body's request_id, bounded like X-Request-Id (it names log lines and the response id)
@@ -168,9 +168,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                 "include_stop_str_in_output", "skip_special_tokens")
-PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
-                              "prompt", "messages", "n", "model", "best_of", "echo", "prompt_logprobs",
-                              "chat_template_kwargs", "reasoning_effort", *structured.PARAM_NAMES)
+# The engine's parameter names (an error's `field`) that these endpoints call otherwise.
+COMPLETION_FIELDS = {"bad_words_token_ids": "bad_words"}
+CHAT_FIELDS = {**COMPLETION_FIELDS, "prompt": "messages"}
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")  # set by the server itself
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -248,7 +248,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
-        raise bad_request(str(error), guess_param(str(error), tuple(kwargs))) from error
+        raise bad_request(str(error), request_field(error)) from error
 
 
 def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:

@@ -114,7 +114,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
     except APIError:
         raise
     except Exception as error:
-        api_error = from_engine_error(error, ("input", "instructions", "max_output_tokens", "temperature", "top_p"))
+        api_error = from_engine_error(error, rp.ENGINE_FIELDS)
         if api_error is None:
             raise
         raise api_error from error

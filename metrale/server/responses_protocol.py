@@ -23,11 +23,13 @@ from typing import Any
 import msgspec
 
 from metrale.sampling_params import SamplingParams
-from metrale.server.errors import bad_request
 from metrale.server import protocol
+from metrale.server.errors import bad_request, request_field
 from metrale.server.protocol import Int64
 from metrale.structured_outputs import StructuredOutputs
 
+# The engine's parameter names (an error's `field`) as the Responses API calls them.
+ENGINE_FIELDS = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens", "structured_outputs": "text"}
 _ROLES = {"user": "user", "system": "system", "developer": "developer", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -127,8 +129,7 @@ def sampling_params(request: ResponsesRequest, default_max_tokens: int | None,
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
         message = str(error).replace("max_tokens", "max_output_tokens")
-        param = next((n for n in ("max_output_tokens", "temperature", "top_p") if message.startswith(n)), None)
-        raise bad_request(message, param) from error
+        raise bad_request(message, request_field(error, ENGINE_FIELDS)) from error
 
 
 def _text_format(text: dict[str, Any] | None) -> StructuredOutputs | None:

@@ -25,6 +25,8 @@ from jinja2.exceptions import UndefinedError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from metrale.errors import InvalidMessagesError
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 CHATML = """{%- for message in messages %}
@@ -171,17 +173,18 @@ class ChatTemplate:
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Check roles and content; return copies whose content is a string (text parts joined by "\\n")."""
+    """Check roles and content; return copies whose content is a string (text parts joined by "\\n").
+    InvalidMessagesError (a ValueError, field "messages") names the message at fault."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        raise InvalidMessagesError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     checked = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be an object with 'role' and 'content', "
+            raise InvalidMessagesError(f"messages[{index}] must be an object with 'role' and 'content', "
                              f"got {type(message).__name__}")
         role = message.get("role")
         if role not in ROLES:
-            raise ValueError(f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}")
+            raise InvalidMessagesError(f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}")
         entry = dict(message)
         entry["content"] = _content_text(index, role, message)
         checked.append(entry)
@@ -213,11 +216,11 @@ def _content_text(index: int, role: str, message: Mapping[str, Any]) -> str:
         texts = []
         for part_index, part in enumerate(content):
             if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValueError(f"messages[{index}].content[{part_index}] must be "
+                raise InvalidMessagesError(f"messages[{index}].content[{part_index}] must be "
                                  f"{{'type': 'text', 'text': <string>}}; only text parts are supported")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise ValueError(f"messages[{index}].content must be a string or a list of text parts, "
+    raise InvalidMessagesError(f"messages[{index}].content must be a string or a list of text parts, "
                      f"got {type(content).__name__}")
 
 
