@@ -19,9 +19,15 @@ import msgspec
 
 from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
+from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from metrale.server.errors import APIError, bad_request, from_decode_error, request_field
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# The body's request_id, bounded like X-Request-Id (it names log lines and the response id)
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
+                                        description="printable ASCII without spaces, like X-Request-Id")]
+MAX_N = 128  # choices per request, OpenAI's own limit: n sizes per-sequence work before any other check
+ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -80,7 +86,7 @@ class _SamplingFields(_Refusable, kw_only=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int64 = 1
+    n: ChoiceCount = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
@@ -107,8 +113,8 @@ class _SamplingFields(_Refusable, kw_only=True):
     user: str | None = None  # accepted: an end-user id for the caller's records, it changes nothing here
     session_id: str | None = None  # vLLM's: accepted like user, a conversation's id; the prefix cache is automatic
     prompt_logprobs: Int64 | None = None
-    request_id: str | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
-    best_of: Int64 | None = None  # honoured when it equals n; more is refused
+    request_id: RequestId | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
+    best_of: ChoiceCount | None = None  # honoured when it equals n; more is refused
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -35,6 +35,7 @@ from metrale.text.output_parsing import make_parser
 from metrale.text.tool_parsers import NamedCallParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+MAX_ARGUMENTS_DEPTH = 100  # nesting of a history turn's tool-call arguments (the template serializes them recursively)
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -220,10 +221,26 @@ def _decoded_call(index: int, position: int, call: Any) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise bad_request(f"messages[{index}].tool_calls[{position}] must have function.name", "messages")
     arguments = function.get("arguments")
+    where = f"messages[{index}].tool_calls[{position}].function.arguments"
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
-            raise bad_request(f"messages[{index}].tool_calls[{position}].function.arguments is not JSON",
-                              "messages") from None
+            raise bad_request(f"{where} is not JSON", "messages") from None
+        except RecursionError:  # "[[[[..." 100k deep inside the string
+            raise bad_request(f"{where} is nested more than {MAX_ARGUMENTS_DEPTH} deep", "messages") from None
+    if _deeper_than(arguments, MAX_ARGUMENTS_DEPTH):  # the template's tojson would recurse on it
+        raise bad_request(f"{where} is nested more than {MAX_ARGUMENTS_DEPTH} deep", "messages")
     return {**call, "function": {**function, "arguments": arguments if arguments is not None else {}}}
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests lists/objects more than `limit` deep (iterative: any depth is safe)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False

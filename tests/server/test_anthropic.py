@@ -26,8 +26,8 @@ def engine() -> FakeEngine:
 
 def client_for(app: ServerApp, api_key: str = "unused") -> anthropic.AsyncAnthropic:
     transport = httpx2.ASGITransport(app=app)
-    return anthropic.AsyncAnthropic(base_url="http://testserver", api_key=api_key, max_retries=0,
-                                    http_client=httpx2.AsyncClient(transport=transport, base_url="http://testserver"))
+    return anthropic.AsyncAnthropic(base_url="http://localhost", api_key=api_key, max_retries=0,
+                                    http_client=httpx2.AsyncClient(transport=transport, base_url="http://localhost"))
 
 
 async def test_a_message_has_anthropic_shape(engine):

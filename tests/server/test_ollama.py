@@ -26,7 +26,7 @@ def engine() -> FakeEngine:
 
 
 def client_for(app: ServerApp, **kwargs) -> ollama.AsyncClient:
-    return ollama.AsyncClient(host="http://testserver", transport=httpx.ASGITransport(app=app), **kwargs)
+    return ollama.AsyncClient(host="http://localhost", transport=httpx.ASGITransport(app=app), **kwargs)
 
 
 async def test_chat_answers_in_ollama_shape(engine):

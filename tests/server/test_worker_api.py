@@ -42,7 +42,8 @@ async def test_server_info_names_the_served_model(app, path):
     # sglang-router reads served_model_name (its worker's model id) and model_path; every field it
     # knows is optional, but a present one of the wrong type fails the whole parse.
     assert body["served_model_name"] == "tiny-chat"
-    assert body["model_path"] == "/models/fake-model.gguf"
+    assert body["model_path"] == "tiny-chat"  # the served name: no filesystem path in any response
+    assert "/models" not in r.body.decode()
     assert body["model_type"] == "llama" and body["max_model_len"] == 64 and body["kv_block_size"] == 16
     assert isinstance(body["version"], str) and "dp_size" not in body
 
@@ -50,7 +51,7 @@ async def test_server_info_names_the_served_model(app, path):
 @pytest.mark.parametrize("path", ["/model_info", "/get_model_info"])
 async def test_model_info(app, path):
     body = (await call(app, "GET", path)).json()
-    assert body == {"model_path": "/models/fake-model.gguf", "served_model_name": "tiny-chat",
+    assert body == {"model_path": "tiny-chat", "served_model_name": "tiny-chat",
                     "model_type": "llama", "is_generation": True}
 
 
@@ -61,10 +62,12 @@ async def test_get_load_counts_requests_and_kv_tokens(app, engine):
 
 
 @pytest.mark.parametrize("path", ["/server_info", "/model_info", "/get_load"])
-async def test_info_routes_are_get_only_and_open(engine, path):
+async def test_info_routes_are_get_only_and_behind_the_key(engine, path):
     app = ServerApp(engine, manage_engine=False, api_key="secret")
-    assert (await call(app, "GET", path)).status == 200  # like /health: the router sends no key there
-    r = await call(app, "POST", path)
+    r = await call(app, "GET", path)
+    assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert (await call(app, "GET", path, headers={"authorization": "Bearer secret"})).status == 200
+    r = await call(app, "POST", path, headers={"authorization": "Bearer secret"})
     assert r.status == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
