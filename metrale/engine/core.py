@@ -98,7 +98,10 @@ class EngineCore:
             skip_reading_prefix_cache=p.prompt_logprobs is not None) for request_id, p in zip(request_ids, params)]
         self.scheduler.add(requests[0], forks=requests[1:])
         for request_id, p in zip(request_ids, params):
-            self.states[request_id] = RequestState(request_id, p, len(prompt_token_ids))
+            state = RequestState(request_id, p, len(prompt_token_ids))
+            if len(request_ids) > 1:
+                state.group = (request_ids[0], len(request_ids))
+            self.states[request_id] = state
         if len(requests) > 1:
             self._groups.add(request_ids)
         self._stats.refresh_gauges()

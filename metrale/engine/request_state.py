@@ -30,7 +30,7 @@ class RequestState:
     """One request's counts, timings and prompt logprobs, turned into EngineOutputs."""
 
     __slots__ = ("request_id", "params", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "times",
-                 "_prompt_logprobs")
+                 "num_preemptions", "group", "_prompt_logprobs")
 
     def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
         self.request_id = request_id
@@ -39,6 +39,8 @@ class RequestState:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served, known when first scheduled
         self.times = RequestTimes()
+        self.num_preemptions = 0
+        self.group: tuple[str, int] | None = None  # parallel sampling: (the group's first id, n); None for n = 1
         # one per prompt position (None at 0), filled chunk by chunk; sent with the first tokens, then None
         self._prompt_logprobs: list[TokenLogprob | None] | None = \
             [None] * num_prompt_tokens if params.prompt_logprobs is not None else None

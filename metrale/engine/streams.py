@@ -89,14 +89,21 @@ class RequestStreams:
             error = output.error.exception(request_id) if output.error is not None else None
             self._end(request_id, entry, finish_reason, error)
             return
-        entry.num_output_tokens += len(output.token_ids)
-        text_ids = output.token_ids[:-1] if output.hide_last_token else output.token_ids
-        text, matched = entry.text.push(text_ids, final=finish_reason is not None)
+        token_ids, logprobs = output.token_ids, output.logprobs
+        text_ids = token_ids[:-1] if output.hide_last_token else token_ids
+        if len(text_ids) > 1 and entry.text.has_stop_strings:  # an accepted speculative run
+            text, matched, num_used = _push_each(entry.text, text_ids, final=finish_reason is not None)
+            if matched:  # the ids after the stop string's are dropped: plain decoding would have stopped there
+                token_ids = token_ids[:num_used]
+                logprobs = logprobs[:num_used] if logprobs is not None else None
+        else:
+            text, matched = entry.text.push(text_ids, final=finish_reason is not None)
+        entry.num_output_tokens += len(token_ids)
         if matched:
             finish_reason = FinishReason.STOP
-        delta = RequestOutput(request_id=request_id, token_ids=list(output.token_ids), text=text,
+        delta = RequestOutput(request_id=request_id, token_ids=list(token_ids), text=text,
                               finish_reason=finish_reason, num_prompt_tokens=entry.num_prompt_tokens,
-                              num_output_tokens=entry.num_output_tokens, logprobs=output.logprobs,
+                              num_output_tokens=entry.num_output_tokens, logprobs=logprobs,
                               num_cached_tokens=entry.num_cached_tokens, prompt_logprobs=output.prompt_logprobs)
         self._failpoints.check("deliver", request_id)
         entry.channel.put(delta)
@@ -120,3 +127,14 @@ class RequestStreams:
                                         num_prompt_tokens=entry.num_prompt_tokens,
                                         num_output_tokens=entry.num_output_tokens,
                                         num_cached_tokens=entry.num_cached_tokens), error=error)
+
+
+def _push_each(text: RequestText, text_ids: tuple[int, ...], final: bool) -> tuple[str, bool, int]:
+    """(text, stop string matched, ids used): the ids pushed one by one until a stop string matches."""
+    pieces = []
+    for index, token_id in enumerate(text_ids):
+        piece, matched = text.push((token_id,), final=final and index == len(text_ids) - 1)
+        pieces.append(piece)
+        if matched:
+            return "".join(pieces), True, index + 1
+    return "".join(pieces), False, len(text_ids)

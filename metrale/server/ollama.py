@@ -169,13 +169,7 @@ def _now() -> str:
 
 
 async def _full_response(answer: _Answer, stream: Any, send: Send) -> None:
-    try:
-        async for out in stream:
-            answer.feed(out)
-    except RequestFailedError as error:
-        raise APIError(500, str(error), code="request_failed") from error
-    if answer.last is None or answer.last.finish_reason == "abort":
-        raise APIError(503, completions.ABORTED, code="aborted")
+    await completions.read_whole(stream, answer.feed)
     await send_json(send, 200, answer.final("".join(answer.text), "".join(answer.thinking)))
 
 

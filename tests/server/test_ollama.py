@@ -17,15 +17,7 @@ import pytest
 from metrale.server import ollama_protocol as op
 from metrale.server.app import ServerApp
 from metrale.server.errors import APIError
-from tests.server.fakes import FakeEngine, call
-
-
-class WordEngine(FakeEngine):
-    """The scripted engine with a tokenizer: one token per word of the rendered messages."""
-
-    async def chat_token_ids(self, messages, tools=None, **template_kwargs):
-        text = await super().chat_token_ids(messages, tools, **template_kwargs)
-        return list(range(len(text.split())))
+from tests.server.fakes import FakeEngine, WordEngine, call
 
 
 @pytest.fixture
@@ -34,7 +26,7 @@ def engine() -> FakeEngine:
 
 
 def client_for(app: ServerApp, **kwargs) -> ollama.AsyncClient:
-    return ollama.AsyncClient(host="http://testserver", transport=httpx.ASGITransport(app=app), **kwargs)
+    return ollama.AsyncClient(host="http://localhost", transport=httpx.ASGITransport(app=app), **kwargs)
 
 
 async def test_chat_answers_in_ollama_shape(engine):
