@@ -179,3 +179,13 @@ async def test_reasoning_is_message_thinking(stream):
     assert "".join(p.message.content for p in parts).strip() == "It is 4."
     generated = await client.generate(model="fake-model", prompt="2+2?", options={"num_predict": len(THINKING)})
     assert (generated.thinking, generated.response.strip()) == ("\nAdd them.\n", "It is 4.")
+
+
+async def test_a_wrong_method_is_a_405_naming_the_right_one(engine):
+    app = ServerApp(engine, manage_engine=False)
+    wrong_get = await call(app, "GET", "/api/chat")
+    wrong_post = await call(app, "POST", "/api/tags", {})
+    assert (wrong_get.status, wrong_get.headers.get("allow")) == (405, "POST")
+    assert (wrong_post.status, wrong_post.headers.get("allow")) == (405, "GET")
+    root = await call(app, "POST", "/", {})
+    assert (root.status, root.headers.get("allow")) == (405, "GET, HEAD")
