@@ -42,6 +42,11 @@ class EngineConfig:
         ranks 1..N-1 as processes on this machine (MLX's ring backend over 127.0.0.1) and is rank 0.
         N must divide the model's heads, kv heads and MLP width. kv_cache_bytes is then per rank
         (each rank caches its own kv heads). One tensor-parallel engine per process.
+    engine_process: run the scheduler, the runner, the kernels and the grammar compiler in a child process
+        (metrale.engine.engine_client), so that a native crash there (a kernel, llguidance, an OOM kill) ends
+        only the requests in flight: the child is restarted with the same config. `metrale serve` sets it;
+        False (the default for an embedded engine) runs everything in this process.
+    max_engine_restarts: deaths of the engine process survived within 10 minutes; one more is final.
     generation_config: "auto" takes the model's sampling defaults (generation_config.json, a GGUF's
         general.sampling.*) for what a server request leaves unset; "vllm" ignores them (vLLM's flag).
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
@@ -56,6 +61,8 @@ class EngineConfig:
     failpoints: str | None = None
     speculative_config: SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
+    engine_process: bool = False
+    max_engine_restarts: int = 5
     generation_config: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -93,6 +100,11 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be a positive int, got {size!r}")
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"EngineConfig.engine_process must be a bool, got {self.engine_process!r}")
+        restarts = self.max_engine_restarts
+        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+            raise ValueError(f"EngineConfig.max_engine_restarts must be an int >= 0, got {restarts!r}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"EngineConfig.generation_config must be one of {GENERATION_CONFIGS}, "
                              f"got {self.generation_config!r}")

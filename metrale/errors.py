@@ -15,7 +15,7 @@ from scheduler.errors import (DuplicateRequestError, EmptyPromptError, InvalidPa
 
 __all__ = [
     "DuplicateRequestError", "EmptyPromptError", "EngineDeadError", "EngineDrainingError", "EngineNotRunningError",
-    "EngineUnavailableError", "InvalidMessagesError", "InvalidParamsError", "InvalidPriorityError",
+    "EngineRestartingError", "EngineUnavailableError", "InvalidMessagesError", "InvalidParamsError", "InvalidPriorityError",
     "InvalidPromptError", "InvalidStructuredOutputError", "InvalidTokenIdError", "PromptTooLongError",
     "QueueFullError", "RequestFailedError", "RequestRejectedError", "StructuredOutputUnavailableError",
     "TensorParallelError",
@@ -75,6 +75,12 @@ class EngineDeadError(EngineUnavailableError):
     """The engine loop stopped and can make no more progress."""
 
     code = "unhealthy"
+
+
+class EngineRestartingError(EngineUnavailableError):
+    """The engine process died and a new one is starting with the same config (HTTP 503, Retry-After)."""
+
+    code = "restarting"
 
 
 class RequestFailedError(RuntimeError):

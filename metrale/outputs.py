@@ -20,6 +20,7 @@ class EngineState(enum.StrEnum):
     SERVING = "serving"
     DRAINING = "draining"
     UNHEALTHY = "unhealthy"  # the engine died, or a step has been stuck far longer than usual
+    RESTARTING = "restarting"  # the engine process died; a new one is starting
     STOPPED = "stopped"
 
 

@@ -15,20 +15,23 @@ import asyncio
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
+from metrale.engine.core_host import LocalCore
+from metrale.engine.engine_client import EngineProcess
+from metrale.engine.ipc import ModelFacts, TokenizerSpec
 from metrale.engine.metrics import EngineMetrics
-from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import ModelRunner
-from metrale.engine.startup import (Loaded, RunnerFactory, TextFrontEnd, default_model_label, load,
-                                    read_model_sampling_defaults)
+from metrale.engine.startup import RunnerFactory, TextFrontEnd, default_model_label, read_model_sampling_defaults
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
+from metrale.engine.streams import RequestStreams
 from metrale.engine.submission import Submission, collect_result, counting_rejections, prepares_text
-from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError
+from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineRestartingError
 from metrale.failpoints import Failpoints
 from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
 from metrale.sampling_params import SamplingParams
@@ -61,19 +64,22 @@ class AsyncEngine:
         self.metrics = EngineMetrics(self.registry, model_name=default_model_label(self.config.model))
         self._runner_factory = runner_factory if runner_factory is not None else ModelRunner.from_loaded
         self._state = EngineState.STOPPED  # stopped -> loading -> serving -> draining -> stopped
-        self._mlx: MLXThread | None = None
-        self._loaded: Loaded | None = None  # the runner, and rank 0's group under tensor parallelism
-        self._core: EngineCore | None = None
+        self._client: LocalCore | EngineProcess | None = None  # the engine core, here or in its process
+        self._core: EngineCore | None = None  # in-process only (tests reach for it)
+        self._streams: RequestStreams | None = None  # the text front-end of every open request
+        self._facts: ModelFacts | None = None  # set at start
         self._submission: Submission | None = None
         self._sampling_defaults: dict[str, Any] = {}
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
-        self._loop_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failpoints = Failpoints.from_spec(self.settings.failpoints, seed=self.config.seed)
         spec = self.config.speculative_config
         if proposer is not None and spec is None:
             raise ValueError("a proposer needs EngineConfig(speculative_config=...): how many drafts, and when")
+        if self.config.engine_process and (proposer is not None or runner_factory is not None):
+            raise ValueError("a proposer or runner_factory object cannot cross to an engine process: "
+                             "use engine_process=False")
         self._speculator = Speculator(spec, proposer) if spec is not None else None
         if spec is not None:
             self.metrics.enable_speculation(spec.num_speculative_tokens)
@@ -81,84 +87,81 @@ class AsyncEngine:
     # ---- lifecycle ----
 
     async def start(self) -> "AsyncEngine":
-        """Load the model on the MLX thread and start the engine loop."""
+        """Load the model (on the MLX thread, or in the engine process) and start the engine loop."""
         if self._state is not EngineState.STOPPED:
             raise RuntimeError(f"engine already {self._state}")
         self._state = EngineState.LOADING
         self._loop = asyncio.get_running_loop()
-        self._mlx = MLXThread()
         try:
-            self._loaded = loaded = await load(self.config, self.settings, self._failpoints, self._mlx,
-                                               self._runner_factory, self._on_rank_failure)
+            if self.config.engine_process:
+                client = EngineProcess(self.config, self.metrics, self.config.max_engine_restarts)
+                ready = await client.start()
+                tokenizer, facts, self._max_model_len = _tokenizer(ready.tokenizer), ready.facts, ready.max_model_len
+                client.on_death = self._on_engine_death
+            else:
+                client = LocalCore(self.config, self.settings, self.metrics, self._failpoints, self._speculator,
+                                   self._runner_factory)
+                loaded = await client.start()
+                tokenizer, facts, self._max_model_len = loaded.tokenizer, client.facts(loaded), client.max_model_len
+                self._core = client.core
         except BaseException:
-            self._mlx.shutdown()
             self._state = EngineState.STOPPED
             raise
-        runner = loaded.runner
-        self._sampling_defaults = await self._mlx.run(read_model_sampling_defaults, self.config, loaded.model.path)
-        self._max_model_len = loaded.max_model_len(self.config)
-        self._info = EngineInfo(model_path=str(loaded.model.path), model_type=loaded.model.config.architecture,
-                                dtype=runner.dtype_name, kv_block_size=self.config.block_size)
+        self._client, self._facts = client, facts
+        # only the model file's header is read (generation_config.json, a GGUF's general.sampling.*)
+        self._sampling_defaults = await asyncio.to_thread(read_model_sampling_defaults, self.config,
+                                                          Path(facts.model_path))
+        self._info = EngineInfo(model_path=facts.model_path, model_type=facts.architecture, dtype=facts.dtype_name,
+                                kv_block_size=self.config.block_size)
         self.metrics.set_max_model_len(self._max_model_len)
-        self._core = EngineCore(loaded.scheduler(self.config), runner, self._mlx, self.metrics, self._failpoints,
-                                self._speculator)
-        text = TextFrontEnd.for_model(loaded.model, self._max_model_len, self._failpoints)
-        self._submission = Submission(text, self._core, runner, self._max_model_len, self.abort)
+        self._streams = RequestStreams(client.finish, self._failpoints)
+        client.set_on_outputs(self._streams.process)
+        text = TextFrontEnd.for_tokenizer(tokenizer, facts.architecture, facts.vocab_size, self._max_model_len,
+                                          self._failpoints)
+        self._submission = Submission(text, client, facts, self._streams, self._max_model_len, self.abort)
         if self._failpoints:
             logger.warning("failpoints armed: %s", self._failpoints.points)
-        self.metrics.set_info(model=self.model_name, dtype=runner.dtype_name,
-                              kv_blocks=str(runner.kv_cache.num_blocks), block_size=str(self.config.block_size),
+        self.metrics.set_info(model=self.model_name, dtype=facts.dtype_name, kv_blocks=str(facts.kv_blocks),
+                              block_size=str(self.config.block_size),
                               tensor_parallel_size=str(self.config.tensor_parallel_size))
-        self._loop_task = asyncio.create_task(self._core.run_forever(), name="metrale-engine-loop")
-        self._loop_task.add_done_callback(self._on_loop_done)
         self._state = EngineState.SERVING
-        logger.info("engine serving %s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
-                    runner.kv_cache.num_blocks, self.config.block_size, self._max_model_len)
+        logger.info("engine serving %s%s: %d KV blocks of %d tokens, max_model_len %d", self.model_name,
+                    " (engine process)" if self.config.engine_process else "", facts.kv_blocks,
+                    self.config.block_size, self._max_model_len)
         return self
 
-    def _on_rank_failure(self, error: BaseException) -> None:
-        """A rank died or hung (event-loop thread): the engine is dead, every open request ends with an
-        error now, and the loop stops (its step in flight may never return from a dead collective)."""
-        if self._core is not None and self._core.dead is None:
-            self._core.die(error)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+    def _on_engine_death(self, error: BaseException) -> None:
+        """The engine process died: every open stream ends with the error now (it restarts, or not)."""
+        self._streams.fail_all(error)
 
-    def _on_loop_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("engine loop ended: %r", task.exception())
+    @property
+    def num_unfinished(self) -> int:
+        """Requests whose streams have not ended yet."""
+        return len(self._streams) if self._streams is not None else 0
 
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
-        if self._core is None:
+        if self._client is None:
             return
         self._state = EngineState.DRAINING
         deadline = time.monotonic() + timeout_s
-        while self._core.num_unfinished and time.monotonic() < deadline and self._core.dead is None:
+        while self.num_unfinished and time.monotonic() < deadline and self._client.dead is None:
             await asyncio.sleep(0.02)
-        if self._core.num_unfinished:
-            logger.warning("drain timeout: aborting %d requests", self._core.num_unfinished)
-            self._core.abort_all()
+        if self.num_unfinished:
+            logger.warning("drain timeout: aborting %d requests", self.num_unfinished)
+            self._client.abort_all()
 
     async def shutdown(self) -> None:
-        """Abort what is left, stop the loop and the MLX thread. Leaves nothing running."""
+        """Abort what is left, stop the engine (its loop and MLX thread, or its process). Leaves nothing running."""
         if self._state is EngineState.STOPPED:
             return
-        if self._core is not None:
-            self._core.abort_all()  # after the engine died this finds nothing left: die() ended everyone
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        group = self._loaded.group if self._loaded is not None else None
-        if group is not None:  # the followers finish the step they are in and exit
-            await asyncio.to_thread(group.close)
-        if self._mlx is not None:
-            # after a rank failed, the step in flight may wait forever in a collective of the dead ring
-            await asyncio.to_thread(self._mlx.shutdown, group is None or group.failure is None)
+        if self._client is not None:
+            self._client.abort_all()  # after the engine died this finds nothing left: every stream has ended
+            await self._client.shutdown()
+        if self._streams is not None:  # an engine process that died at shutdown: what it did not end
+            self._streams.fail_all(EngineNotRunningError("engine shut down"))
         if self._submission is not None:
             self._submission.close()
-        if self._loaded is not None:
-            self._loaded.runner.close()
         self._state = EngineState.STOPPED
 
     async def __aenter__(self) -> "AsyncEngine":
@@ -221,36 +224,43 @@ class AsyncEngine:
         unknown or already finished. From another thread the abort is handed to the loop and True
         means only that it was handed over. `channel` (a stream's own) makes the abort apply only to
         the request that stream belongs to, never to a newer one reusing the id."""
-        if self._core is None or self._loop is None or self._loop.is_closed():
+        if self._client is None or self._loop is None or self._loop.is_closed():
             return False
         try:
             running_loop = asyncio.get_running_loop()
         except RuntimeError:
             running_loop = None
         if running_loop is not self._loop:  # e.g. a stream collected on another thread
-            self._loop.call_soon_threadsafe(functools.partial(self._core.abort, request_id, channel))
+            self._loop.call_soon_threadsafe(functools.partial(self._abort, request_id, channel))
             return True
-        return self._core.abort(request_id, channel)
+        return self._abort(request_id, channel)
+
+    def _abort(self, request_id: str, channel: OutputChannel | None) -> bool:
+        if channel is not None and self._streams.channel(request_id) is not channel:
+            return False  # that stream's request ended; the id may be a newer request's now
+        return self._client.abort(request_id)
 
     def abort_all(self) -> None:
         """Abort every unfinished request now (a forced shutdown); each stream ends with "abort"."""
-        if self._core is not None:
-            self._core.abort_all()
+        if self._client is not None:
+            self._client.abort_all()
 
     def _accepting(self) -> Submission:
         if self._state is EngineState.DRAINING:
             raise EngineDrainingError("engine is draining for shutdown; not accepting requests")
-        if self._state is not EngineState.SERVING or self._submission is None or self._core is None:
+        if self._state is not EngineState.SERVING or self._submission is None or self._client is None:
             raise EngineNotRunningError(f"engine is {self._state}; call start() first")
-        if self._core.dead is not None:
-            raise EngineDeadError(f"engine loop stopped: {self._core.dead!r}")
+        if self._client.dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._client.dead!r}")
+        if self._client.restarting:
+            raise EngineRestartingError("the engine process is restarting; retry shortly")
         return self._submission
 
     # ---- introspection (metrale.engine.protocol.EngineClient) ----
 
     @property
     def model_name(self) -> str:
-        return self._loaded.runner.model_name if self._loaded is not None else default_model_label(self.config.model)
+        return self._facts.model_name if self._facts is not None else default_model_label(self.config.model)
 
     @property
     def max_model_len(self) -> int:
@@ -313,22 +323,26 @@ class AsyncEngine:
         a step has run far past its expected time (the watchdog; it recovers if the step ends)."""
         if self._state is EngineState.STOPPED:
             return EngineState.STOPPED
-        if self._core is not None and (self._core.dead is not None or self._step_stuck()):
+        if self._client is not None and (self._client.dead is not None or self._step_stuck()):
             return EngineState.UNHEALTHY
+        if self._client is not None and self._client.restarting:
+            return EngineState.RESTARTING
         return self._state
 
     def _step_stuck(self) -> bool:
+        """The step watchdog (in-process engine only)."""
+        if self._core is None:
+            return False
         started = self._core.step_started
         if started is None:
             return False
         return time.monotonic() - started > max(WATCHDOG_MIN_S, WATCHDOG_FACTOR * self._core.mean_step_s)
 
     async def wait_until_dead(self) -> BaseException | None:
-        """Wait for the engine loop to end: the error that killed it, or None when it was shut down."""
-        while self._loop_task is None:
+        """Wait for the engine to end: the error that killed it for good, or None when it was shut down."""
+        while self._client is None:
             await asyncio.sleep(0.1)
-        await asyncio.gather(self._loop_task, return_exceptions=True)
-        return self._core.dead if self._core is not None else None
+        return await self._client.wait_until_dead()
 
     def info(self) -> EngineInfo:
         if self._info is None:
@@ -336,21 +350,26 @@ class AsyncEngine:
         return self._info
 
     def stats(self) -> EngineStats:
-        core = self._core
-        if core is None:
+        if self._client is None:
             raise EngineNotRunningError("engine not started")
-        kv = core.scheduler.kv_cache_manager
+        core = self._client.core_stats()
         return EngineStats(
-            health=self.health(), running=core.scheduler.num_running, waiting=core.scheduler.num_waiting,
-            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks, kv_usage=kv.usage,
-            peak_kv_usage=core.peak_kv_usage, num_preemptions=core.scheduler.num_preemptions,
-            num_steps=core.num_steps, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits, requests_finished=core.num_finished,
-            requests_unfinished=core.num_unfinished)
+            health=self.health(), running=core.running, waiting=core.waiting, kv_blocks_total=core.kv_blocks_total,
+            kv_blocks_free=core.kv_blocks_free, kv_usage=core.kv_usage, peak_kv_usage=core.peak_kv_usage,
+            num_preemptions=core.num_preemptions, num_steps=core.num_steps,
+            prefix_cache_queries=core.prefix_cache_queries, prefix_cache_hits=core.prefix_cache_hits,
+            requests_finished=core.requests_finished, requests_unfinished=self.num_unfinished)
 
     def check_integrity(self) -> None:
         """Raise if the KV accounting is inconsistent (tests call this after every scenario)."""
-        if self._core is None:
+        if self._client is None:
             raise EngineNotRunningError("engine not started")
-        self._core.scheduler.check_integrity()
+        self._client.check_integrity()
 
+
+def _tokenizer(spec: TokenizerSpec) -> Tokenizer:
+    """The engine process's tokenizer, rebuilt here from what it sent."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return Tokenizer(HFTokenizer.from_str(spec.backend_json), bos_token_id=spec.bos_token_id,
+                     eos_token_ids=spec.eos_token_ids, chat_template=spec.chat_template, pad_token_id=spec.pad_token_id)

@@ -5,13 +5,16 @@ One step is three calls:
 
     output = scheduler.schedule()                      # plain ids, counts, block tables
     rows = await executor.execute(step_input)          # the only place MLX runs; failures bisected
-    self._postprocess(output, rows)                    # tokens -> text -> streams; finishes free blocks
+    self._postprocess(output, rows)                    # tokens -> EngineOutputs; finishes free blocks
 
-`rows` holds one RowResult per request with something to report (metrale.engine.step).
+`rows` holds one RowResult per request with something to report (metrale.engine.step). The core's
+EngineOutputs go to `on_outputs` once per step (and when requests end outside a step): the text
+front-end (metrale.engine.streams) in this process, or the pipe to it from an engine process. The
+front-end ends a request through `finish` (a stop string, its own output processing failed).
 
 Faults are contained per request: a request whose forward fails alone (metrale.engine.executor), or
-whose own output processing raises (detokenize, stop strings, delivery), ends with an error and
-nothing else. The engine dies only on a broken invariant of its own, or when steps keep failing with
+whose own output processing raises (detokenize, stop strings, delivery: the front-end calls `finish`),
+ends with an error and nothing else. The engine dies only on a broken invariant of its own, or when steps keep failing with
 no request succeeding (FATAL_FAILED_STEPS in a row): then every open stream ends with an error at once.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from metrale.engine.executor import StepExecutor
 from metrale.engine.metrics import EngineMetrics
@@ -28,14 +31,12 @@ from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.request_groups import RequestGroups
 from metrale.engine.request_state import RequestState
 from metrale.engine.runner import ModelRunner, PromptLogprobsRow, SamplingRow, StepInput
-from metrale.engine.step import RowResult
+from metrale.engine.step import EngineOutput, RowError, RowResult
 from metrale.engine.step_stats import StepStats
-from metrale.engine.stream import OutputChannel
 from metrale.errors import EngineDeadError
 from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Speculator
-from metrale.text.processor import RequestText
 from scheduler import FinishReason, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ class EngineCore:
         self._speculator = speculator
         self._finished_since_step: list[str] = []  # told to the runner with the next step
         self._groups = RequestGroups()  # parallel sampling's sequences
+        self.on_outputs: Callable[[list[EngineOutput]], None] | None = None  # the front-end, set by the owner
+        self._outbox: list[EngineOutput] = []
+        self._flushing = False
 
     @property
     def peak_kv_usage(self) -> float:
@@ -73,58 +77,57 @@ class EngineCore:
 
     # ---- called by AsyncEngine (event-loop thread) ----
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, text: RequestText, *,
-               eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0) -> OutputChannel:
-        """Queue a request and return the channel its deltas go to; raises the scheduler's typed
-        rejections and changes nothing then. `max_tokens` is the effective limit (params may leave it
-        to the engine)."""
-        (channel,) = self.submit_group([request_id], prompt_token_ids, [params], [text], eos_token_ids=eos_token_ids,
-                                       max_tokens=max_tokens, priority=priority)
-        return channel
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+               eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0) -> None:
+        """Queue a request; raises the scheduler's typed rejections and changes nothing then.
+        `max_tokens` is the effective limit (params may leave it to the engine)."""
+        self.submit_group([request_id], prompt_token_ids, [params], eos_token_ids=eos_token_ids,
+                          max_tokens=max_tokens, priority=priority)
 
     def submit_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams],
-                     texts: Sequence[RequestText], *, eos_token_ids: tuple[int, ...], max_tokens: int,
-                     priority: int = 0) -> list[OutputChannel]:
-        """Queue one sequence per id over the same prompt, each with its params and text: with several,
-        a request group (parallel sampling) whose first sequence computes the prompt and the others
-        fork from it (scheduler/forks.py). The group lives and dies together: aborting its first id
-        aborts every sequence, and one sequence's error fails the others. Raises the scheduler's typed
-        rejections and changes nothing then."""
+                     *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0) -> None:
+        """Queue one sequence per id over the same prompt, each with its params: with several, a request
+        group (parallel sampling) whose first sequence computes the prompt and the others fork from it
+        (scheduler/forks.py). The group lives and dies together: aborting its first id aborts every
+        sequence, and one sequence's error fails the others. Raises the scheduler's typed rejections
+        and changes nothing then."""
         requests = [Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             eos_token_ids=eos_token_ids, stop_token_ids=tuple(p.stop_token_ids or ()),
             ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, priority=priority,
             skip_reading_prefix_cache=p.prompt_logprobs is not None) for request_id, p in zip(request_ids, params)]
         self.scheduler.add(requests[0], forks=requests[1:])
-        channels = []
-        for request_id, p, text in zip(request_ids, params, texts):
-            state = RequestState(request_id, p, len(prompt_token_ids), text)
+        for request_id, p in zip(request_ids, params):
+            state = RequestState(request_id, p, len(prompt_token_ids))
             if len(request_ids) > 1:
                 state.group = (request_ids[0], len(request_ids))
             self.states[request_id] = state
-            channels.append(state.channel)
         if len(requests) > 1:
             self._groups.add(request_ids)
         self._stats.refresh_gauges()
         self._wake.set()
-        return channels
 
-    def abort(self, request_id: str, channel: OutputChannel | None = None) -> bool:
-        """Mark a request for abort; it ends at the next step boundary. False if unknown or finished,
-        or when `channel` is given and is not that request's (a stale stream of a reused id)."""
-        live = self._groups.live_of_head(request_id) if channel is None else None
+    def abort(self, request_id: str) -> bool:
+        """Mark a request (or every live sequence of the group whose first id it is) for abort; it ends
+        at the next step boundary. False if unknown or finished."""
+        live = self._groups.live_of_head(request_id)
         if live is not None:  # a group's first id: every sequence still running
             if all(member in self._pending_aborts for member in live):
                 return False
             self._pending_aborts.update(live)
             self._wake.set()
             return True
-        state = self.states.get(request_id)
-        if state is None or request_id in self._pending_aborts or (channel is not None and state.channel is not channel):
+        if request_id not in self.states or request_id in self._pending_aborts:
             return False
         self._pending_aborts.add(request_id)
         self._wake.set()
         return True
+
+    def finish(self, request_id: str, reason: FinishReason, error: RowError | None = None) -> None:
+        """The front-end ended a request (a stop string matched, or its output processing failed):
+        free its blocks now. Idempotent."""
+        self._finish(request_id, reason, error.exception(request_id) if error is not None else None)
+        self._flush()
 
     @property
     def num_unfinished(self) -> int:
@@ -141,6 +144,7 @@ class EngineCore:
                     await self._wake.wait()
                     continue
                 self._apply_aborts()
+                self._flush()
                 if self.states:
                     await self.step()
         except asyncio.CancelledError:
@@ -154,6 +158,7 @@ class EngineCore:
         """The engine cannot continue: every open stream ends with an error now."""
         self.dead = error
         self.fail_all(EngineDeadError(f"engine loop stopped: {type(error).__name__}: {error}"))
+        self._flush()
 
     async def step(self) -> None:
         if not self._schedule_failpoint():
@@ -186,6 +191,19 @@ class EngineCore:
                 self._finish(row.request_id, FinishReason.ERROR, row.error.exception(row.request_id))
         self._postprocess(output, rows, sampled)
         self.num_steps += 1
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the outputs gathered so far to `on_outputs` (which may call `finish`, adding more)."""
+        if self._flushing or self.on_outputs is None:
+            return
+        self._flushing = True
+        try:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                self.on_outputs(batch)
+        finally:
+            self._flushing = False
 
     def _schedule_failpoint(self) -> bool:
         """The `schedule` failpoint: a fault for one request fails it; any other skips this step."""
@@ -197,6 +215,7 @@ class EngineCore:
             logger.warning("step %d not scheduled: %s", self.num_steps, fault)
             if fault.request_id is not None:
                 self._finish(fault.request_id, FinishReason.ERROR, fault)
+                self._flush()
             return False
         return True
 
@@ -244,41 +263,32 @@ class EngineCore:
             if state is None:
                 continue
             self._stats.tokens(state, len(event.new_token_ids), now)
-            try:
-                self._deliver(state, event, rows.get(event.request_id), now)
-            except Exception as error:  # this request's own output processing failed: it alone ends
-                logger.exception("request %s failed while processing its output", event.request_id)
-                self._finish(event.request_id, FinishReason.ERROR, error)
+            self._deliver(state, event, rows.get(event.request_id), now)
         self._stats.end(output)
 
     def _deliver(self, state: RequestState, event: RequestEvent, row: RowResult | None, now: float) -> None:
-        """Detokenize, match stop strings and hand the delta to the request's stream."""
+        """The request's output of this step; a request that ended is retired."""
         finish_reason = event.finish_reason
         if finish_reason is None and row is not None and row.stopped:  # its grammar is complete
             self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason = FinishReason.STOP
         logprob = row.logprob if row is not None else None
-        delta = state.on_tokens(event.new_token_ids, finish_reason,
-                                hide_last_token=event.stop_token_id is not None,
-                                logprobs=[logprob] if logprob is not None else None)
-        self._failpoints.check("deliver", state.request_id)
-        if delta.stop_string_matched and finish_reason is None:
-            self.scheduler.finish(event.request_id, RequestStatus.FINISHED_STOPPED)
-        state.channel.put(delta.output)
-        if delta.output.finish_reason is not None:
-            self._retire(state, delta.output.finish_reason, now)
+        self._outbox.append(state.on_tokens(event.new_token_ids, finish_reason, event.stop_token_id is not None,
+                                            [logprob] if logprob is not None else None))
+        if finish_reason is not None:
+            self._retire(state, finish_reason, now)
 
     # ---- finishing: one path ----
 
     def _finish(self, request_id: str, reason: FinishReason, error: BaseException | None = None, *,
                 discard_cached: bool | None = None) -> None:
-        """End a request outside a step's tokens (abort, error): free its blocks, deliver its final
-        delta, account for it. Idempotent; never raises for one request's sake."""
+        """End a request outside a step's tokens (abort, error, or a stop the front-end found): free its
+        blocks, report its final output, account for it. Idempotent; never raises for one request's sake."""
         state = self.states.get(request_id)
         if state is None:
             return
         self.scheduler.finish(request_id, RequestStatus.finished_with(reason), discard_cached=discard_cached)
-        state.channel.put(state.final_output(reason), error=error)
+        self._outbox.append(state.final_output(reason, error))
         siblings = self._groups.siblings(request_id) if reason is FinishReason.ERROR else []
         self._retire(state, reason, time.monotonic())
         for sibling in siblings:  # one sequence fails: the request fails, every sequence ends
@@ -300,12 +310,13 @@ class EngineCore:
                 logger.exception("request %s: freeing it failed; ending its stream anyway", request_id)
                 state = self.states.pop(request_id, None)
                 if state is not None:
-                    state.channel.put(state.final_output(FinishReason.ERROR), error=error)
+                    self._outbox.append(state.final_output(FinishReason.ERROR, error))
 
     def abort_all(self) -> None:
         for request_id in list(self.states):
             self.abort(request_id)
         self._apply_aborts()
+        self._flush()
 
     def _retire(self, state: RequestState, finish_reason: FinishReason, now: float) -> None:
         del self.states[state.request_id]

@@ -160,9 +160,15 @@ class EngineMetrics:
         self._generation_len: Histogram | None = None
         self._iteration_tokens = histogram("metrale_iteration_tokens",
                                            "Tokens in one engine step's forward pass.", ITERATION_TOKEN_BUCKETS)
+        self._restarts = counter("metrale_engine_restarts",
+                                 "Engine processes started again after the previous one died.")
         self._info = Info("metrale_build", "metrale build and engine configuration (value is always 1).",
                           registry=reg)
         self._info.info({"model_name": model_name, "version": __version__})
+
+    def record_engine_restart(self) -> None:
+        """Count one restart of a dead engine process."""
+        self._restarts.inc()
 
     def enable_speculation(self, num_speculative_tokens: int) -> None:
         """Register the speculative-decoding series (vLLM's spec_decode family), positions 0..k-1."""

@@ -31,6 +31,7 @@ from metrale.loading.generation_defaults import read_sampling_defaults
 from metrale.settings import RuntimeSettings
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.processor import InputProcessor, OutputProcessor
+from metrale.text.tokenizer import Tokenizer
 from scheduler import Scheduler
 
 if TYPE_CHECKING:  # imported when tensor parallelism starts: a one-rank engine never loads metrale.distributed
@@ -160,7 +161,13 @@ class TextFrontEnd:
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, max_model_len: int, failpoints: Failpoints) -> "TextFrontEnd":
-        template = ChatTemplate.for_tokenizer(loaded.tokenizer, loaded.config.architecture)
-        return cls(InputProcessor(loaded.tokenizer, template, loaded.config.vocab_size, max_model_len=max_model_len,
-                                  failpoints=failpoints),
-                   OutputProcessor(loaded.tokenizer, failpoints))
+        return cls.for_tokenizer(loaded.tokenizer, loaded.config.architecture, loaded.config.vocab_size,
+                                 max_model_len, failpoints)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, architecture: str, vocab_size: int, max_model_len: int,
+                      failpoints: Failpoints) -> "TextFrontEnd":
+        """The front-end of a model loaded elsewhere (an engine process sends its tokenizer and facts)."""
+        template = ChatTemplate.for_tokenizer(tokenizer, architecture)
+        return cls(InputProcessor(tokenizer, template, vocab_size, max_model_len=max_model_len, failpoints=failpoints),
+                   OutputProcessor(tokenizer, failpoints))

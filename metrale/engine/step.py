@@ -29,9 +29,10 @@ from kernels.runtime import mx, nn
 from kvcache.attention import AttentionMetadata
 from kvcache.storage import PagedKVCache
 from metrale.failpoints import InjectedFault
-from metrale.outputs import TokenLogprob
+from metrale.outputs import FinishReason, TokenLogprob
 
-__all__ = ["ForwardInput", "PromptLogprobs", "RowError", "RowFailedError", "RowResult", "decode_rows", "encode_rows"]
+__all__ = ["EngineOutput", "ForwardInput", "PromptLogprobs", "RowError", "RowFailedError", "RowResult", "decode_rows",
+           "encode_rows"]
 
 
 class ForwardInput(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -102,6 +103,27 @@ class RowResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
     logprob: TokenLogprob | None = None  # of the sampled token, when the request asked for logprobs
     prompt_logprobs: PromptLogprobs | None = None
     stopped: bool = False  # its constraint is complete: it ends with "stop" after this token
+    error: RowError | None = None
+
+
+class EngineOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """What the engine core reports for one request after a step (or when it ends outside one): its new
+    token ids and, on its last output, why it ended. The text front-end (detokenizer, stop strings,
+    streams) turns it into the RequestOutput its consumer reads; it is the record an engine process
+    sends its front-end.
+
+    hide_last_token: the last token is the eos or stop token id that ended it (counted, never text).
+    prompt_logprobs: on its first output with tokens, when it asked (one per prompt position, None at 0).
+    error: why it failed (finish_reason "error"); an abort has none.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    hide_last_token: bool = False
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
     error: RowError | None = None
 
 

@@ -14,15 +14,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from metrale.engine.core import EngineCore
+from metrale.engine.ipc import ModelFacts
 from metrale.engine.metrics import EngineMetrics
-from metrale.engine.runner import ModelRunner
 from metrale.engine.startup import TextFrontEnd
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
-from metrale.errors import (EngineUnavailableError, InvalidParamsError, PromptTooLongError, RequestRejectedError,
+from metrale.engine.streams import RequestStreams
+from metrale.errors import (DuplicateRequestError, EngineUnavailableError, InvalidParamsError, PromptTooLongError,
+                            RequestRejectedError,
                             StructuredOutputUnavailableError)
 from metrale.outputs import CompletionResult
-from metrale.sampling.guided import GrammarCompiler, require_llguidance
+from metrale.sampling.guided import require_llguidance
 from metrale.sampling_params import SamplingParams
 
 OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
@@ -45,14 +46,17 @@ def counting_rejections(metrics: EngineMetrics) -> Iterator[None]:
 
 
 class Submission:
-    """Validates, tokenizes and queues the requests of one started engine."""
+    """Validates, tokenizes and queues the requests of one started engine: `client` is its engine core
+    (metrale.engine.core_host.LocalCore, or the engine process's EngineProcess), `streams` the text
+    front-end of its open requests."""
 
-    def __init__(self, text: TextFrontEnd, core: EngineCore, runner: ModelRunner, max_model_len: int,
-                 abort: Abort) -> None:
+    def __init__(self, text: TextFrontEnd, client, facts: ModelFacts, streams: RequestStreams,
+                 max_model_len: int, abort: Abort) -> None:
         self.inputs = text.inputs
         self._outputs = text.outputs
-        self._core = core
-        self._runner = runner
+        self._client = client
+        self._facts = facts
+        self._streams = streams
         self._max_model_len = max_model_len
         self._abort = abort
         self._ids = itertools.count()
@@ -85,14 +89,13 @@ class Submission:
         if prepares_text(params):
             await self._off_loop(self.inputs.prepare, params)
         if params.structured_outputs is not None:
-            await self.grammar_compiler().compile(params.structured_outputs)
+            self._check_grammars()
+            await self._client.compile(params.structured_outputs)
 
-    def grammar_compiler(self) -> GrammarCompiler:
-        compiler = self._runner.grammar_compiler
-        if compiler is None:
-            require_llguidance()
+    def _check_grammars(self) -> None:
+        require_llguidance()
+        if not self._facts.has_grammar_compiler:
             raise StructuredOutputUnavailableError("structured outputs need a tokenizer with an eos token")
-        return compiler
 
     def close(self) -> None:
         if self._tokenize_thread is not None:
@@ -106,12 +109,13 @@ class Submission:
 
     def _request_params(self, params: SamplingParams | None) -> SamplingParams:
         params = _checked_params(params)
-        max_num_seqs = self._core.scheduler.config.max_num_seqs
+        max_num_seqs = self._client.config.max_num_seqs
         if params.n > max_num_seqs:  # before anything is built per sequence
             raise InvalidParamsError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}", field="n")
         params = self.inputs.params(params)
         if params.structured_outputs is not None:
-            self.grammar_compiler().submit(params.structured_outputs)  # starts compiling now (cached)
+            self._check_grammars()
+            self._client.precompile(params.structured_outputs)  # starts compiling now (cached)
         return params
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
@@ -122,22 +126,26 @@ class Submission:
         max_tokens = self._max_tokens(params, len(prompt_ids))
         eos = self.inputs.tokenizer.eos_token_ids
         if params.n == 1:
-            text = self._outputs.new_request(prompt_ids, params, request_id)
-            channel = self._core.submit(request_id, prompt_ids, params, text, priority=priority,
-                                        eos_token_ids=eos, max_tokens=max_tokens)
-            return RequestStream(channel, functools.partial(self._abort, channel=channel))
-        ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
-        sequences = [params.for_sequence(i) for i in range(params.n)]
+            ids, sequences = [request_id], [params]
+        else:
+            ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
+            sequences = [params.for_sequence(i) for i in range(params.n)]
+        for rid in ids:
+            if rid in self._streams:
+                raise DuplicateRequestError(f"request {rid!r} is already in flight")
         texts = [self._outputs.new_request(prompt_ids, p, rid) for rid, p in zip(ids, sequences)]
-        channels = self._core.submit_group(ids, prompt_ids, sequences, texts, priority=priority,
-                                           eos_token_ids=eos, max_tokens=max_tokens)
+        self._client.submit_group(ids, prompt_ids, sequences, priority=priority, eos_token_ids=eos,
+                                  max_tokens=max_tokens, num_open=len(self._streams))
+        channels = self._streams.open(ids, texts, len(prompt_ids))
+        if params.n == 1:
+            return RequestStream(channels[0], functools.partial(self._abort, channel=channels[0]))
         return GroupStream(channels, _abort_channel(self._abort))
 
     def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """params.max_tokens, or when it is None the room left in the context and in the KV pool."""
         if params.max_tokens is not None:
             return params.max_tokens
-        pool_tokens = self._runner.kv_cache.num_slots
+        pool_tokens = self._facts.kv_slots
         room = min(self._max_model_len - num_prompt_tokens, pool_tokens + 1 - num_prompt_tokens)
         if room < 1:
             raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output in "

@@ -38,8 +38,10 @@ with /health and Prometheus /metrics.
 SIGTERM or SIGINT drains: new requests and /health get 503, in-flight requests run for up to
 --shutdown-timeout seconds, the rest are aborted, and the process exits 0. A second signal forces the
 exit: open requests are aborted (each stream ends with an error event), and the process exits 1. An
-engine that dies makes /health 503 and the process exit 1 after --dead-exit-grace seconds, so that
-systemd, compose, launchd or Kubernetes restart it.
+engine process that dies is restarted with the same config (its open requests end with an error,
+new ones get 503 + Retry-After meanwhile, /health says "restarting"); when it keeps dying
+(--max-engine-restarts) or an in-process engine dies, /health is 503 and the process exits 1 after
+--dead-exit-grace seconds, so that systemd, compose, launchd or Kubernetes restart it.
 """
 
 
@@ -78,6 +80,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                              '\'{"method": "draft_model", "model": "small.gguf"}\' (default: off)')
+    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the scheduler, runner, kernels and grammar compiler in a child process that is "
+                             "restarted when it dies (a native crash then costs only the requests in flight); "
+                             "--no-engine-process runs them in the server process")
+    engine.add_argument("--max-engine-restarts", type=int, default=defaults.max_engine_restarts, metavar="N",
+                        help="engine process deaths survived within 10 minutes; one more makes the server exit 1")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", action=_JoinHosts,
                       help="address to listen on; repeat it or give a comma list to listen on several at once "
@@ -163,7 +171,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,
-                        tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config)
+                        tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config,
+                        engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
 
 
 class DrainingServer(uvicorn.Server):

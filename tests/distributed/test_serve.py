@@ -1,6 +1,7 @@
-"""`metrale serve --tensor-parallel 2`: one command starts both ranks and serves from rank 0; a rank
-that dies ends the open streams with an error event, /health answers 503, and the server exits 1;
-SIGTERM drains and stops every rank."""
+"""`metrale serve --tensor-parallel 2`: one command starts both ranks and serves from rank 0 (the engine
+process, or the server's own with --no-engine-process); a rank that dies ends the open streams with an
+error event; the engine process is then restarted with new ranks, while an in-process engine makes
+/health answer 503 and the server exit 1; SIGTERM drains and stops every rank."""
 
 from __future__ import annotations
 
@@ -20,19 +21,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 
 def _followers(server_pid: int) -> list[int]:
-    """The follower ranks the server started (its children running metrale.distributed.follower)."""
-    found = []
+    """The follower ranks the server started (processes running metrale.distributed.follower whose
+    parent is the server or its engine process)."""
+    processes = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
+            processes[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == server_pid and b"metrale.distributed.follower" in cmdline:
-            found.append(int(entry.name))
-    return found
+    parents = {server_pid} | {pid for pid, (ppid, cmd) in processes.items()
+                               if ppid == server_pid and b"metrale.engine.engine_process" in cmd}
+    return [pid for pid, (ppid, cmd) in processes.items() if ppid in parents and b"metrale.distributed.follower" in cmd]
 
 
 def _complete(server: ServerProcess, max_tokens: int, stream: bool):
@@ -44,10 +46,12 @@ def _complete(server: ServerProcess, max_tokens: int, stream: bool):
     return status, json.loads(raw)
 
 
-def test_serve_with_two_ranks_and_a_rank_that_dies(tmp_path):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "in-process"])
+def test_serve_with_two_ranks_and_a_rank_that_dies(tmp_path, engine_process):
     model = write_tiny_model(str(tmp_path / "tiny.gguf"), max_position_embeddings=512)
+    mode = "--engine-process" if engine_process else "--no-engine-process"
     with ServerProcess("--model", model, "--tensor-parallel", "2", "--max-model-len", "512", "--kv-cache-mib", "8",
-                       "--block-size", "4", "--dead-exit-grace", "3") as server:
+                       "--block-size", "4", "--dead-exit-grace", "3", mode) as server:
         (follower,) = _followers(server.proc.pid)
         status, body = _complete(server, 8, stream=False)
         assert status == 200 and body["usage"]["completion_tokens"] == 8
@@ -62,6 +66,13 @@ def test_serve_with_two_ranks_and_a_rank_that_dies(tmp_path):
                 assert status == 200 and events[-1] == "[DONE]"
                 error = json.loads(events[-2])["error"]
                 assert "rank 1" in error["message"] and "killed by signal 9" in error["message"], error
+        if engine_process:  # the engine process restarts with new ranks; the server never stopped serving
+            server.wait_for(lambda s: s.get("/health")[0] == 200 and len(_followers(s.proc.pid)) == 1, 120, "back")
+            assert _followers(server.proc.pid) != [follower]
+            status, body = _complete(server, 8, stream=False)
+            assert status == 200 and body["usage"]["completion_tokens"] == 8
+            assert server.metric("metrale_engine_restarts_total") == 1.0
+            return
         assert server.get("/health")[0] == 503
         deadline = time.monotonic() + 30
         while server.proc.poll() is None and time.monotonic() < deadline:

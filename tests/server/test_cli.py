@@ -19,7 +19,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_are_the_engine_defaults_on_loopback():
     args = _parse()
-    assert engine_config(args) == EngineConfig()
+    assert engine_config(args) == EngineConfig(engine_process=True)  # the server's one difference
+    assert engine_config(_parse("--no-engine-process")) == EngineConfig()
     assert (args.host, args.port, args.api_key, args.shutdown_timeout) == ("127.0.0.1", 8000, None, 30.0)
     assert callable(args.func)
 

@@ -61,7 +61,7 @@ def test_random_faults_over_http_end_every_request(tiny_model):
 
 
 def test_a_dead_engine_makes_the_server_exit_non_zero(tiny_model):
-    with tiny_server(tiny_model, "--dead-exit-grace", "1", failpoints="execute=1.0") as server:
+    with tiny_server(tiny_model, "--no-engine-process", "--dead-exit-grace", "1", failpoints="execute=1.0") as server:
         for _ in range(3):  # three steps in a row in which every request fails: the engine gives up
             assert complete(server)[0] == 500
         deadline = time.monotonic() + 30

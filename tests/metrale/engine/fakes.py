@@ -20,6 +20,7 @@ from metrale.engine.mlx_thread import MLXThread
 from metrale.engine.runner import StepInput
 from metrale.engine.step import RowResult
 from metrale.engine.stream import RequestStream
+from metrale.engine.streams import RequestStreams
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.sampling_params import SamplingParams
 from metrale.text.processor import OutputProcessor
@@ -76,14 +77,16 @@ class FakeEngine:
         self.metrics.set_max_model_len(max_model_len)
         self.mlx = MLXThread()
         self.core = EngineCore(Scheduler(config, kv), self.runner, self.mlx, self.metrics, self.failpoints)
+        self.streams = RequestStreams(self.core.finish, self.failpoints)
+        self.core.on_outputs = self.streams.process
         self.outputs = OutputProcessor(FakeTokenizer(), self.failpoints)
 
     def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams | None = None) -> RequestStream:
         params = params or SamplingParams(max_tokens=4)
         text = self.outputs.new_request(prompt, params, request_id)
-        channel = self.core.submit(request_id, list(prompt), params, text, eos_token_ids=(EOS,),
-                                   max_tokens=params.max_tokens or 16)
-        return RequestStream(channel, functools.partial(self.core.abort, channel=channel))
+        self.core.submit(request_id, list(prompt), params, eos_token_ids=(EOS,), max_tokens=params.max_tokens or 16)
+        (channel,) = self.streams.open([request_id], [text], len(prompt))
+        return RequestStream(channel, lambda rid: self.streams.channel(rid) is channel and self.core.abort(rid))
 
     def check_clean(self) -> None:
         """Every request ended, every block free, accounting consistent."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import threading
 
@@ -68,9 +67,9 @@ class BrokenText:
 async def test_ending_every_stream_survives_a_final_delta_that_raises():
     fake = FakeEngine(num_blocks=256, block_size=4)
     try:
-        channel = fake.core.submit("broken", [3, 5, 7], LONG, BrokenText(), eos_token_ids=(EOS,),
-                                   max_tokens=LONG.max_tokens)
-        streams = [RequestStream(channel, functools.partial(fake.core.abort, channel=channel))]
+        fake.core.submit("broken", [3, 5, 7], LONG, eos_token_ids=(EOS,), max_tokens=LONG.max_tokens)
+        (channel,) = fake.streams.open(["broken"], [BrokenText()], 3)
+        streams = [RequestStream(channel, fake.core.abort)]
         streams += [fake.submit(f"other-{i}", [4 + i, 5, 6, 7], LONG) for i in range(5)]  # queued, not yet stepped
         fake.core.die(RuntimeError("simulated engine fault"))
         for stream in streams:
