@@ -1,9 +1,9 @@
 """SamplingParams: every per-request generation knob, validated once at construction.
 
-Invalid values raise ValueError before anything is queued; the message starts with the field name
-and states the allowed range, e.g. ``temperature must be a number in [0, 2], got 3.5``. Decoding
-from JSON or a dict (`from_dict`, `from_json`) runs the same checks and raises msgspec's
-ValidationError, which is a ValueError too.
+Invalid values raise InvalidParamsError (a ValueError) before anything is queued, naming the parameter in
+`field`; the message starts with the field name and states the allowed range, e.g. ``temperature must be
+a number in [0, 2], got 3.5``. Decoding from JSON or a dict (`from_dict`, `from_json`) runs the same
+checks and raises msgspec's ValidationError, which is a ValueError too.
 
 Ranges follow OpenAI where OpenAI defines the knob (temperature [0, 2], presence/frequency penalty
 [-2, 2], top_logprobs 0..20, logit_bias -100..100) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1],
@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from metrale.structured_outputs import StructuredOutputs
+from scheduler.errors import InvalidParamsError
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
@@ -29,6 +30,13 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100..100
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+# Client-chosen sizes, bounded before any work scales with them (each stop string is compiled into the
+# request's matcher, each bad word tokenized twice, when the request is submitted).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 8192  # all stop strings together
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 8192  # all bad words together
+MAX_BAD_WORDS_TOKEN_IDS = 8 * MAX_BAD_WORDS_CHARS  # in all: a character is 4 byte tokens at most, twice
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -43,7 +51,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     seed: makes sampling reproducible: the token at output position i depends only on the logits,
         the params, the seed and i, never on the batch it runs in. None: the engine's own stream.
     stop: strings that end generation when they appear in the output text (a str or a sequence;
-        stored as a tuple). The stop string itself is not returned unless include_stop_str_in_output.
+        stored as a tuple; at most MAX_STOP_STRINGS, MAX_STOP_CHARS characters in all). The stop
+        string itself is not returned unless include_stop_str_in_output.
     stop_token_ids: token ids that end generation (the token is counted but not detokenized).
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     min_tokens: eos and stop_token_ids cannot be sampled before this many output tokens.
@@ -60,7 +69,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     allowed_token_ids: only these ids may be sampled (vLLM); None allows every id.
     bad_words: strings whose token sequences must not be generated (vLLM): the last token of a bad
         word is banned when the output ends with its other tokens. The engine tokenizes each word with
-        and without a leading space into bad_words_token_ids when the request is submitted.
+        and without a leading space into bad_words_token_ids when the request is submitted (or, through
+        `AsyncEngine.prepare`, off the event loop). At most MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS in all.
     bad_words_token_ids: token-id sequences banned the same way (the engine adds the bad_words' here).
     n: how many output sequences to sample from the prompt (parallel sampling). They share the prompt's
         KV blocks; sequence i samples with seed + i when a seed is set, else from the engine's stream.
@@ -110,7 +120,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _check_bool("ignore_eos", self.ignore_eos)
         _check_int("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise InvalidParamsError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                                     field="min_tokens")
         _check_number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -123,11 +134,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if self.allowed_token_ids is not None:
             force(self, "allowed_token_ids", _normalize_token_ids(self.allowed_token_ids, "allowed_token_ids"))
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must hold at least one token id, got []")
-        force(self, "bad_words", _normalize_strings("bad_words", self.bad_words))
+                raise InvalidParamsError("allowed_token_ids must hold at least one token id, got []",
+                                         field="allowed_token_ids")
+        force(self, "bad_words", _normalize_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS))
         force(self, "bad_words_token_ids", _normalize_sequences(self.bad_words_token_ids))
         if self.structured_outputs is not None:
-            force(self, "structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
+            force(self, "structured_outputs", _structured_outputs(self.structured_outputs))
         _check_int("n", self.n, 1, None)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
@@ -185,7 +197,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return msgspec.to_builtins(self)
 
 
-# ---- checks: each raises ValueError(f"{field} must be ..., got {value!r}") ----
+# ---- checks: each raises InvalidParamsError(f"{field} must be ..., got {value!r}", field=field) ----
+
+def _structured_outputs(value: object) -> StructuredOutputs:
+    try:
+        return StructuredOutputs.coerce(value)
+    except InvalidParamsError:
+        raise
+    except ValueError as error:
+        raise InvalidParamsError(str(error), field="structured_outputs") from None
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -194,10 +215,11 @@ def _is_int(value: object) -> bool:
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
     if not _is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+        raise InvalidParamsError(f"{name} must be an integer {allowed}, got {value!r}", field=name)
 
 
-def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False,
+                  field: str | None = None) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and value <= high  # type: ignore[operator]
@@ -206,32 +228,39 @@ def _check_number(name: str, value: object, low: float, high: float, *, low_open
             allowed = f"> {low:g}" if low_open else f">= {low:g}"
         else:
             allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+        raise InvalidParamsError(f"{name} must be a finite number {allowed}, got {value!r}", field=field or name)
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise InvalidParamsError(f"{name} must be true or false, got {value!r}", field=name)
 
 
 def _check_top_k(value: object) -> None:
     if not _is_int(value) or value < -1:  # type: ignore[operator]
-        raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to turn it off, got {value!r}")
+        raise InvalidParamsError(f"top_k must be an integer >= 1, or 0 / -1 to turn it off, got {value!r}",
+                                 field="top_k")
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...] | None:
-    return _normalize_strings("stop", stop)
+    return _normalize_strings("stop", stop, MAX_STOP_STRINGS, MAX_STOP_CHARS)
 
 
-def _normalize_strings(name: str, value: object) -> tuple[str, ...] | None:
+def _normalize_strings(name: str, value: object, max_items: int, max_chars: int) -> tuple[str, ...] | None:
     if value is None:
         return None
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise ValueError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+        raise InvalidParamsError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
+                                 field=name)
+    if len(items) > max_items:
+        raise InvalidParamsError(f"{name} must hold at most {max_items} strings, got {len(items)}", field=name)
     for item in items:
         if not isinstance(item, str) or not item:
-            raise ValueError(f"{name} must hold non-empty strings, got {item!r}")
+            raise InvalidParamsError(f"{name} must hold non-empty strings, got {item!r:.100}", field=name)
+    total = sum(len(item) for item in items)
+    if total > max_chars:
+        raise InvalidParamsError(f"{name} must hold at most {max_chars} characters in all, got {total}", field=name)
     return tuple(items) or None
 
 
@@ -239,21 +268,31 @@ def _normalize_token_ids(ids: object, name: str = "stop_token_ids") -> tuple[int
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+        raise InvalidParamsError(f"{name} must be a list of token ids, got {type(ids).__name__}", field=name)
     for token_id in ids:
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"{name} must hold integers >= 0, got {token_id!r}")
+            raise InvalidParamsError(f"{name} must hold integers >= 0, got {token_id!r}", field=name)
     return tuple(ids)
 
 
 def _normalize_sequences(sequences: object) -> tuple[tuple[int, ...], ...]:
     if not isinstance(sequences, (list, tuple)):
-        raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {type(sequences).__name__}")
+        raise InvalidParamsError("bad_words_token_ids must be a list of token id lists, got "
+                                 f"{type(sequences).__name__}", field="bad_words_token_ids")
+    if len(sequences) > MAX_BAD_WORDS_TOKEN_IDS:
+        raise InvalidParamsError(f"bad_words_token_ids must hold at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all, "
+                                 f"got {len(sequences)} sequences", field="bad_words_token_ids")
     out = []
+    total = 0
     for ids in sequences:
+        total += len(ids) if isinstance(ids, (list, tuple)) else 0
+        if total > MAX_BAD_WORDS_TOKEN_IDS:
+            raise InvalidParamsError(f"bad_words_token_ids must hold at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all",
+                                     field="bad_words_token_ids")
         ids = _normalize_token_ids(ids, "bad_words_token_ids")
         if not ids:
-            raise ValueError("bad_words_token_ids must hold non-empty token id lists, got []")
+            raise InvalidParamsError("bad_words_token_ids must hold non-empty token id lists, got []",
+                                     field="bad_words_token_ids")
         out.append(ids)
     return tuple(out)
 
@@ -262,9 +301,11 @@ def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {type(bias).__name__}")
+        raise InvalidParamsError("logit_bias must be an object mapping token ids to numbers, got "
+                                 f"{type(bias).__name__}", field="logit_bias")
     for token_id, value in bias.items():
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-        _check_number(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            raise InvalidParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}",
+                                     field="logit_bias")
+        _check_number(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, field="logit_bias")
     return {token_id: float(value) for token_id, value in bias.items()} or None

@@ -42,6 +42,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.live: dict[str, asyncio.Task] = {}
         self.tool_call_format: str | None = None
+        self.reasoning_format: str | None = None
+        self.sampling_defaults: dict[str, Any] = {}
         self.prepared: list[SamplingParams] = []
         self.chat_tools: list = []
         self.template_kwargs: list[dict] = []
@@ -153,6 +155,14 @@ class FakeEngine:
     async def shutdown(self) -> None:
         self.state = "stopped"
 
+
+
+class WordEngine(FakeEngine):
+    """The scripted engine with a tokenizer for chat: one token per word of the rendered messages."""
+
+    async def chat_token_ids(self, messages: list[dict], tools: list | None = None, **template_kwargs: Any) -> list[int]:
+        text = await super().chat_token_ids(messages, tools, **template_kwargs)
+        return list(range(len(text.split())))
 
 def _out(channel: OutputChannel, ids: list[int], text: str, finish: str | None, n_prompt: int,
          n_out: int) -> RequestOutput:

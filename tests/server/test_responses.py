@@ -54,8 +54,8 @@ def app(engine):
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(app):
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-    async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0) as c:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
+    async with openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0) as c:
         yield c
 
 
@@ -133,7 +133,7 @@ async def test_function_call_outputs_are_accepted_as_input(client, engine):
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"), ({"background": True}, "background"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"), ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"), ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools"), ({"temperature": 5}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"), ({"input": []}, "input"),
