@@ -1,0 +1,141 @@
+// The machine's two roofs for the quantized matmul kernels, compiled and run by benchmarks/qmm_roofline.py:
+//   peak    int8 dot products: a tight loop of independent 512-bit vpdpbusd (AVX-512 VNNI; 64 u8 x s8
+//           multiply-adds each), or of vpmaddubsw + vpmaddwd + vpaddd on 256 bits (AVX2: 32 per 3 ops)
+//   read    a STREAM-like read (sum of 64-bit words, 4 accumulators, 512- or 256-bit loads) of a buffer
+//           larger than the caches, split over the same number of threads as the kernels
+// Each thread's own CPU time is measured as well as the wall time: on a shared machine the CPU-time
+// rate is what a core does while it runs. Prints one JSON object.
+//
+//   cc -O2 -fopenmp -mavx2 -mfma [-mavx512f -mavx512bw -mavx512vnni] roofline_probe.c -o probe
+//   ./probe THREADS BUFFER_MIB
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(clockid_t clock) {
+  struct timespec ts;
+  clock_gettime(clock, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+enum { kIters = 20 * 1000 * 1000 };
+
+// Returns the int8 multiply-adds done; *cpu the thread's CPU seconds.
+static double dot_loop(double* cpu, int32_t* sink) {
+  const double start = now(CLOCK_THREAD_CPUTIME_ID);
+#if defined(__AVX512VNNI__)
+  __m512i a[12];
+  const __m512i u = _mm512_set1_epi8(1), s = _mm512_set1_epi8(-1);
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
+  for (long it = 0; it < kIters / 4; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], u, s);
+    __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]), "+v"(a[5]));
+  }
+  for (int i = 1; i < 12; ++i) a[0] = _mm512_add_epi32(a[0], a[i]);
+  *sink = _mm512_reduce_add_epi32(a[0]);
+  const double macs = (double)(kIters / 4) * 12 * 64;
+#else
+  __m256i a[8];
+  const __m256i u = _mm256_set1_epi8(1), s = _mm256_set1_epi8(-1), ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi32(i);
+  for (long it = 0; it < kIters / 4; ++it) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+    __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]));
+  }
+  for (int i = 1; i < 8; ++i) a[0] = _mm256_add_epi32(a[0], a[i]);
+  int32_t lanes[8];
+  _mm256_storeu_si256((__m256i*)lanes, a[0]);
+  *sink = lanes[0];
+  const double macs = (double)(kIters / 4) * 8 * 32;
+#endif
+  *cpu = now(CLOCK_THREAD_CPUTIME_ID) - start;
+  return macs;
+}
+
+static uint64_t read_sum(const uint64_t* p, size_t words) {
+#if defined(__AVX512F__)
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+  for (size_t i = 0; i + 32 <= words; i += 32) {
+    s0 = _mm512_add_epi64(s0, _mm512_load_si512(p + i));
+    s1 = _mm512_add_epi64(s1, _mm512_load_si512(p + i + 8));
+    s2 = _mm512_add_epi64(s2, _mm512_load_si512(p + i + 16));
+    s3 = _mm512_add_epi64(s3, _mm512_load_si512(p + i + 24));
+  }
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3)));
+#else
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+  for (size_t i = 0; i + 16 <= words; i += 16) {
+    s0 = _mm256_add_epi64(s0, _mm256_load_si256((const __m256i*)(p + i)));
+    s1 = _mm256_add_epi64(s1, _mm256_load_si256((const __m256i*)(p + i + 4)));
+    s2 = _mm256_add_epi64(s2, _mm256_load_si256((const __m256i*)(p + i + 8)));
+    s3 = _mm256_add_epi64(s3, _mm256_load_si256((const __m256i*)(p + i + 12)));
+  }
+  uint64_t lanes[4];
+  _mm256_storeu_si256((__m256i*)lanes, _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3)));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#endif
+}
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? atoi(argv[1]) : 1;
+  const size_t mib = argc > 2 ? (size_t)atol(argv[2]) : 1024;
+  if (threads < 1 || threads > 256 || mib < 1 || mib > (1 << 16)) {
+    fprintf(stderr, "usage: probe THREADS(1..256) BUFFER_MIB(1..65536)\n");
+    return 2;
+  }
+  omp_set_num_threads(threads);
+  // peak: every thread runs the dot loop at once
+  double macs = 0, cpu_max = 0;
+  int32_t sink = 0;
+  const double t0 = now(CLOCK_MONOTONIC);
+#pragma omp parallel reduction(+ : macs, sink) reduction(max : cpu_max)
+  {
+    double cpu;
+    macs += dot_loop(&cpu, &sink);
+    cpu_max = cpu;
+  }
+  const double dot_wall = now(CLOCK_MONOTONIC) - t0;
+  // read: the buffer split in one contiguous slice per thread, touched first by its own thread
+  const size_t words = mib << 17, per = words / threads / 32 * 32;
+  uint64_t* buf = aligned_alloc(64, words * 8);
+  if (!buf) {
+    fprintf(stderr, "cannot allocate %zu MiB\n", mib);
+    return 1;
+  }
+#pragma omp parallel
+  memset(buf + omp_get_thread_num() * per, 1, per * 8);
+  double best_wall = 1e30, best_cpu = 1e30;
+  uint64_t total = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    double cpu_slowest = 0;
+    const double r0 = now(CLOCK_MONOTONIC);
+#pragma omp parallel reduction(+ : total) reduction(max : cpu_slowest)
+    {
+      const double c0 = now(CLOCK_THREAD_CPUTIME_ID);
+      total += read_sum(buf + omp_get_thread_num() * per, per);
+      cpu_slowest = now(CLOCK_THREAD_CPUTIME_ID) - c0;
+    }
+    const double wall = now(CLOCK_MONOTONIC) - r0;
+    if (wall < best_wall) best_wall = wall;
+    if (cpu_slowest < best_cpu) best_cpu = cpu_slowest;
+  }
+  const double bytes = (double)per * 8 * threads;
+  printf("{\"threads\": %d, \"isa\": \"%s\", \"int8_gops_wall\": %.1f, \"int8_gops_cpu\": %.1f, "
+         "\"read_mib\": %zu, \"read_gbs_wall\": %.2f, \"read_gbs_cpu\": %.2f, \"sink\": %llu}\n",
+         threads,
+#if defined(__AVX512VNNI__)
+         "avx512-vnni vpdpbusd",
+#else
+         "avx2 vpmaddubsw+vpmaddwd",
+#endif
+         2 * macs / dot_wall * 1e-9, 2 * macs / cpu_max * 1e-9, mib, bytes / best_wall * 1e-9,
+         bytes / best_cpu * 1e-9, (unsigned long long)(total + (uint64_t)sink));
+  free(buf);
+  return 0;
+}
