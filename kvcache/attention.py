@@ -233,8 +233,8 @@ def _decode_reference(queries, k_pool, v_pool, md, scale, window):
     """queries (B, n_heads, hd) -> (B, n_heads, hd), one sdpa padded to the longest context."""
     n_kv = k_pool.shape[1]
     rows, mask = md.cached(("decode", window, n_kv), lambda: md.decode_gather(window, n_kv))
-    keys = _flat(k_pool)[rows]  # (B, n_kv, L, hd)
-    values = _flat(v_pool)[rows]  # (B, n_kv, L, hd)
+    keys = _flat(k_pool)[rows].astype(queries.dtype)  # (B, n_kv, L, hd)
+    values = _flat(v_pool)[rows].astype(queries.dtype)  # (B, n_kv, L, hd)
     out = mx.fast.scaled_dot_product_attention(queries[:, :, None, :], keys, values, scale=scale, mask=mask)
     return out.reshape(queries.shape)  # (B, n_heads, hd)
 
@@ -256,16 +256,18 @@ def _decode_attention(queries, k_pool, v_pool, md, scale, window, use_kernel):
 def _chunk_attention(queries, k_pool, v_pool, md, chunk, scale, window, use_kernel):
     """queries (q_len, n_heads, hd) of one prefill chunk -> (q_len, n_heads, hd).
 
-    Reference: one sdpa with a boolean mask. Kernel (float32 pools): two matmuls around the
-    extension's causal softmax, as MLX's CPU softmax dominates sdpa's cost at prefill sizes.
+    Reference: one sdpa with a boolean mask. Kernel: two float32 matmuls around the extension's
+    causal softmax, as MLX's CPU softmax dominates sdpa's cost at prefill sizes; a 16-bit pool's
+    visible rows are gathered and widened once per chunk (L rows, against the chunk's q_len * L scores).
     """
     n_kv = k_pool.shape[1]
     rows, start = md.cached(("chunk", chunk.index, window, n_kv), lambda: md.chunk_gather(chunk, window, n_kv))
-    keys = _flat(k_pool)[rows]  # (1, n_kv, L, hd)
-    values = _flat(v_pool)[rows]  # (1, n_kv, L, hd)
     q_len, n_heads, head_dim = queries.shape
     q = queries.transpose(1, 0, 2)  # (n_heads, q_len, hd)
-    if use_kernel and k_pool.dtype == mx.float32:
+    wide = mx.float32 if use_kernel else queries.dtype
+    keys = _flat(k_pool)[rows].astype(wide)  # (1, n_kv, L, hd)
+    values = _flat(v_pool)[rows].astype(wide)  # (1, n_kv, L, hd)
+    if use_kernel:
         grouped = (q.astype(mx.float32) * scale).reshape(n_kv, -1, head_dim)  # (n_kv, rep * q_len, hd)
         scores = (grouped @ keys[0].swapaxes(1, 2)).reshape(n_heads, q_len, -1)  # (n_heads, q_len, L)
         offset = chunk.first_position - start  # query i sits at key index i + offset

@@ -154,7 +154,8 @@ class AsyncEngine:
         loaded = await self._mlx.run(load_model, self.config.model, dtype=dtype, shard=self._group.shard)
         self._runner = await self._mlx.run(ModelRunner.from_loaded, loaded, self.config, self._failpoints,
                                            self._group)
-        await self._mlx.run(self._group.start_steps, self._runner.kv_cache.num_blocks, self.config.block_size)
+        kv_dtype = str(self._runner.kv_cache.dtype).removeprefix("mlx.core.")
+        await self._mlx.run(self._group.start_steps, self._runner.kv_cache.num_blocks, self.config.block_size, kv_dtype)
         logger.info("tensor parallel: %d ranks, each with its share of the heads and MLP and its own KV pools",
                     self.config.tensor_parallel_size)
         return loaded
