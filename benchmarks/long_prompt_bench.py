@@ -83,6 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", nargs="+", default=["before f32", "after f16", "after f32"])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kv-dtype", default="float16", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -92,6 +93,7 @@ def main(argv=None) -> None:
     variants = {"after f16": (HERE.parents[1], "float16"), "after f32": (HERE.parents[1], "float32")}
     if args.before is not None:
         variants = {"before f32": (args.before.resolve(), "float32"), **variants}
+    variants = {name: v for name, v in variants.items() if name in args.variants}
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for r in range(args.rounds):
         for name, (tree, kv_dtype) in variants.items():
