@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernel_table.h"
 #include "vecmath.h"
@@ -21,6 +22,27 @@ namespace metrale::METRALE_ISA_NS::kernel {
 
 using metrale::PrefillDims;
 constexpr int KT = metrale::kPrefillKeys;
+
+// The tile products run on the widest float vectors the set has (16 lanes with AVX-512, else the 8 of
+// v8f): their operands are float32 tiles in L1, so no dtype conversion happens in these loops.
+#if defined(__AVX512F__)
+constexpr int kVW = 16;
+#else
+constexpr int kVW = 8;
+#endif
+typedef float vwf __attribute__((vector_size(kVW * 4)));
+constexpr int kScoreVecs = kVW == 16 ? 4 : 2;  // key vectors per row in the score block: 64 or 16 keys
+
+template <typename V>
+inline V loadv(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename V>
+inline void storev(float* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
 
 // Keys [t0, t1) of kv head g widened: kt (hd, KT) transposed, vf (KT, hd); columns / rows past t1 are 0.
 template <typename T>
@@ -43,42 +65,52 @@ inline void widen_tile(const PrefillDims& dm, const T* kp, const T* vp, const in
   }
 }
 
-// s[r, :] = qs[r, :] . kt for rows [r0, r0 + RB): RB rows x 16 keys of accumulators.
+// s[r, :] = qs[r, :] . kt for rows [r0, r0 + RB): RB rows x kScoreVecs vectors of keys in registers.
 template <int RB>
 inline void tile_scores(const float* qs, const float* kt, float* s, int r0, int hd) noexcept {
-  for (int jb = 0; jb < KT; jb += 2 * kW) {
-    v8f a[RB][2] = {};
+  constexpr int NV = kScoreVecs;
+  for (int jb = 0; jb < KT; jb += NV * kVW) {
+    vwf a[RB][NV] = {};
     for (int d = 0; d < hd; ++d) {
-      const v8f k0 = load8(kt + d * KT + jb), k1 = load8(kt + d * KT + jb + kW);
+      vwf k[NV];
+      for (int nv = 0; nv < NV; ++nv) k[nv] = loadv<vwf>(kt + d * KT + jb + nv * kVW);
       for (int rr = 0; rr < RB; ++rr) {
         const float x = qs[(r0 + rr) * hd + d];
-        a[rr][0] += x * k0;
-        a[rr][1] += x * k1;
+        for (int nv = 0; nv < NV; ++nv) a[rr][nv] += x * k[nv];
       }
     }
-    for (int rr = 0; rr < RB; ++rr) {
-      store8(s + (r0 + rr) * KT + jb, a[rr][0]);
-      store8(s + (r0 + rr) * KT + jb + kW, a[rr][1]);
-    }
+    for (int rr = 0; rr < RB; ++rr)
+      for (int nv = 0; nv < NV; ++nv) storev(s + (r0 + rr) * KT + jb + nv * kVW, a[rr][nv]);
   }
 }
 
-// o[r, c .. c + 8 CB) += p[r, :] V[:, c ..] for rows [r0, r0 + RB).
-template <int RB, int CB>
+// o[r, c .. c + CB lanes of V) += p[r, :] V[:, c ..] for rows [r0, r0 + RB), V a float vector type.
+template <typename V, int RB, int CB>
 inline void tile_values(const float* p, const float* vf, float* o, int r0, int c, int hd) noexcept {
-  v8f a[RB][CB];
+  constexpr int L = sizeof(V) / sizeof(float);
+  V a[RB][CB];
   for (int rr = 0; rr < RB; ++rr)
-    for (int cb = 0; cb < CB; ++cb) a[rr][cb] = load8(o + (r0 + rr) * hd + c + cb * kW);
+    for (int cb = 0; cb < CB; ++cb) a[rr][cb] = loadv<V>(o + (r0 + rr) * hd + c + cb * L);
   for (int j = 0; j < KT; ++j) {
-    v8f v[CB];
-    for (int cb = 0; cb < CB; ++cb) v[cb] = load8(vf + j * hd + c + cb * kW);
+    V v[CB];
+    for (int cb = 0; cb < CB; ++cb) v[cb] = loadv<V>(vf + j * hd + c + cb * L);
     for (int rr = 0; rr < RB; ++rr) {
       const float x = p[(r0 + rr) * KT + j];
       for (int cb = 0; cb < CB; ++cb) a[rr][cb] += x * v[cb];
     }
   }
   for (int rr = 0; rr < RB; ++rr)
-    for (int cb = 0; cb < CB; ++cb) store8(o + (r0 + rr) * hd + c + cb * kW, a[rr][cb]);
+    for (int cb = 0; cb < CB; ++cb) storev(o + (r0 + rr) * hd + c + cb * L, a[rr][cb]);
+}
+
+// All of o's columns for rows [r0, r0 + RB): 4 (AVX-512) or 2 wide vectors at a time, then 8 lanes.
+template <int RB>
+inline void tile_values_rows(const float* p, const float* vf, float* o, int r0, int hd) noexcept {
+  constexpr int CB = kVW == 16 ? 4 : 2;
+  int c = 0;
+  for (; c + CB * kVW <= hd; c += CB * kVW) tile_values<vwf, RB, CB>(p, vf, o, r0, c, hd);
+  for (; c + kVW <= hd; c += kVW) tile_values<vwf, RB, 1>(p, vf, o, r0, c, hd);
+  for (; c < hd; c += kW) tile_values<v8f, RB, 1>(p, vf, o, r0, c, hd);
 }
 
 // Row r's scores of keys [t0, t0 + KT) become e^(s - m') (0 where masked), and m, l, o are rescaled.
@@ -147,13 +179,8 @@ void prefill_task(const PrefillDims& dm, const float* q, const T* kp, const T* v
       const int key_lo = dm.window > 0 ? max_of(t0, p - dm.window + 1) : t0;
       online_softmax_row(s + r * KT, o + r * hd, m[r], l[r], key_lo - t0, min_of(t1 - 1, p) - t0, hd);
     }
-    for (r = 0; r + 4 <= rows; r += 4) {
-      int c = 0;
-      for (; c + 2 * kW <= hd; c += 2 * kW) tile_values<4, 2>(s, vf, o, r, c, hd);
-      for (; c < hd; c += kW) tile_values<4, 1>(s, vf, o, r, c, hd);
-    }
-    for (; r < rows; ++r)
-      for (int c = 0; c < hd; c += kW) tile_values<1, 1>(s, vf, o, r, c, hd);
+    for (r = 0; r + 4 <= rows; r += 4) tile_values_rows<4>(s, vf, o, r, hd);
+    for (; r < rows; ++r) tile_values_rows<1>(s, vf, o, r, hd);
   }
   for (int r = 0; r < rows; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : __builtin_nanf("");
