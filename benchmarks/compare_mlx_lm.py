@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale import AsyncEngine, EngineConfig
+from metrale.engine.startup import RunnerKeeper
 from metrale.bench.loadgen import BenchSettings, run_benchmark
 from metrale.bench.mlx_lm_target import MlxLmTarget, mlx_lm_model
 from metrale.bench.report import format_result, write_json
@@ -162,8 +163,9 @@ def plots(out_dir: Path, stem: str, a: list[list[dict]], b: list[list[dict]], sw
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig(max_num_seqs=args.streams, max_num_batched_tokens=args.max_num_batched_tokens)
-    async with AsyncEngine(config) as engine:
-        runner = engine._runner
+    keeper = RunnerKeeper()
+    async with AsyncEngine(config, runner_factory=keeper) as engine:
+        runner = keeper.runner
         vocab = runner.model_config.vocab_size
         factory = functools.partial(mlx_lm_model, runner.model_config, runner.model)
         async with MlxLmTarget(factory, completion_batch_size=args.streams) as mlx_target:

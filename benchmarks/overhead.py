@@ -21,6 +21,7 @@ import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 import mlx.core as mx  # noqa: E402
 
 from metrale import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from metrale.engine.startup import RunnerKeeper  # noqa: E402
 from benchmarks.throughput import random_prompts  # noqa: E402
 
 
@@ -43,8 +44,9 @@ class Timers:
 
 async def main(args: argparse.Namespace) -> dict:
     config = EngineConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(512, args.batch))
-    async with AsyncEngine(config) as engine:
-        core, runner = engine._core, engine._runner
+    keeper = RunnerKeeper()
+    async with AsyncEngine(config, runner_factory=keeper) as engine:
+        core, runner = engine._core, keeper.runner
         prompts = random_prompts(args.batch, args.prompt_len, runner.model_config.vocab_size, 0)
         params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
         streams = [engine.generate(p, params) for p in prompts]

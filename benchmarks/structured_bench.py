@@ -43,6 +43,7 @@ from metrale.sampling.guided import GrammarCompiler  # noqa: E402
 from metrale.sampling.ops import apply_bitmask  # noqa: E402
 from metrale.sampling.sampler import Sampler  # noqa: E402
 from metrale.sampling_params import SamplingParams  # noqa: E402
+from metrale.engine.startup import RunnerKeeper  # noqa: E402
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -135,11 +136,12 @@ async def engine_itl(batch_sizes: list[int], steps: int, rounds: int) -> dict[in
 
     messages = [{"role": "user", "content": "List many words as a JSON array of strings."}]
     results = {}
-    async with AsyncEngine(EngineConfig(max_num_seqs=64, kv_cache_bytes=512 << 20)) as engine:
+    keeper = RunnerKeeper()
+    async with AsyncEngine(EngineConfig(max_num_seqs=64, kv_cache_bytes=512 << 20), runner_factory=keeper) as engine:
         warm = SamplingParams(max_tokens=4, structured_outputs={"json": LONG})
         await engine.prepare(warm)
-        fills = timed(engine._runner.constraints, "prepare")  # the host fill inside the real step
-        steps_s = timed(engine._runner, "execute", decode_only=True)  # whole decode steps (a benchmark may look)
+        fills = timed(keeper.runner.constraints, "prepare")  # the host fill inside the real step
+        steps_s = timed(keeper.runner, "execute", decode_only=True)  # whole decode steps (a benchmark may look)
         for b in batch_sizes:
             await asyncio.gather(*(run_one(engine, messages, warm) for _ in range(b)))  # compile per shape
             samples: dict[str, list[float]] = {"free": [], "constrained": []}

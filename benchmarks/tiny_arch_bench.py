@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
 
 from metrale import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from metrale.engine.startup import RunnerKeeper  # noqa: E402
 from metrale.models import ModelConfig, get_model_class  # noqa: E402
 
 
@@ -96,8 +97,9 @@ async def run_level(engine: AsyncEngine, concurrency: int, args: argparse.Namesp
 async def bench_arch(folder: Path, arch: str, args: argparse.Namespace) -> dict:
     config = EngineConfig(model=str(folder), max_num_seqs=max(args.concurrency), kv_cache_bytes=256 << 20,
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    async with AsyncEngine(config) as engine:
-        load_s = engine._runner.load_seconds
+    keeper = RunnerKeeper()
+    async with AsyncEngine(config, runner_factory=keeper) as engine:
+        load_s = keeper.runner.load_seconds
         await engine.complete([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         rows = []
         for c in args.concurrency:

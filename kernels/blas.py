@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import glob
 import logging
-import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -23,9 +22,9 @@ _OPENBLAS_GLOBS = (
 _state: dict[str, str | None] = {}
 
 
-def find_openblas() -> str | None:
-    """Path of the system OpenBLAS, or None. METRALE_OPENBLAS overrides; "none" disables."""
-    override = os.environ.get("METRALE_OPENBLAS")
+def find_openblas(override: str | None = None) -> str | None:
+    """Path of the system OpenBLAS, or None. `override` (KernelSettings.openblas, METRALE_OPENBLAS) is a
+    path to use instead; "none" disables."""
     if override:
         return None if override.lower() == "none" else override
     for pattern in _OPENBLAS_GLOBS:
@@ -35,8 +34,9 @@ def find_openblas() -> str | None:
     return None
 
 
-def preload_openblas() -> str | None:
+def preload_openblas(override: str | None = None) -> str | None:
     """Load OpenBLAS globally if we are on Linux and mlx is not imported yet; returns its path.
+    `override` as in `find_openblas`.
 
     Called once, before the first `import mlx.core`. Warns once, with the fix, when only the
     reference BLAS is available.
@@ -48,10 +48,10 @@ def preload_openblas() -> str | None:
         if "mlx.core" in sys.modules:
             logger.debug("mlx.core already imported; OpenBLAS preload skipped")
         else:
-            path = find_openblas()
+            path = find_openblas(override)
             if path is not None:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            elif os.environ.get("METRALE_OPENBLAS", "").lower() != "none":
+            elif (override or "").lower() != "none":
                 logger.warning(
                     "OpenBLAS not found: MLX on Linux CPU falls back to its reference BLAS, about 25x "
                     "slower. Fix: apt-get install libopenblas0-pthread (or set METRALE_OPENBLAS=/path/libopenblas.so.0)"

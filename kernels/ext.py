@@ -2,8 +2,10 @@
 softmax and fused gated activations (SwiGLU / GeGLU); without them the plain-MLX reference runs.
 
 The kernels are compiled once per instruction set (scalar, avx2, avx512 on x86-64) and the best one
-this CPU runs is chosen when the module loads; METRALE_CPU_ISA=scalar|avx2|avx512 asks for another
-(a set the CPU lacks fails the load, with the reason). `cpu_isa()` says which one runs.
+this CPU runs is chosen when the module loads; KernelSettings.cpu_isa (METRALE_CPU_ISA=scalar|avx2|avx512)
+asks for another (a set the CPU lacks refuses the kernels, with the reason). `cpu_isa()` says which one
+runs. The load applies the settings in force (kernels.settings.current(): the engine's when it builds its
+model, else the environment's) to the module once per process: its instruction set, threads and spin.
 
 Build with `python -m kernels.build` (it writes kernels/_kernels*.so, ignored by git). `load()`
 returns the compiled module, or None when it is not built, fails to load, or was built against
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+
+from kernels.settings import DEFAULT_SPIN_US, KernelSettings, current
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +47,28 @@ def load():
         logger.warning("CPU kernels were built for mlx %s but mlx %s is installed; using the plain-MLX "
                        "reference. Rebuild: python -m kernels.build", module.mlx_version, mx.__version__)
         module = None
+    if module is not None:
+        module = _configured(module, current())
     if module is not None and not _smoke_test(module, mx):
         module = None
     _state["module"] = module
+    return module
+
+
+def _configured(module, settings: KernelSettings):
+    """The module set up as `settings` say (before any kernel runs: the thread count is fixed by the first),
+    or None when it refuses the instruction set. A build that predates the thread setters reads
+    METRALE_ATTENTION_THREADS and METRALE_SPIN_US itself."""
+    if settings.cpu_isa != "auto":
+        try:
+            module.set_cpu_isa(settings.cpu_isa)
+        except ValueError as exc:
+            logger.warning("CPU kernels refused METRALE_CPU_ISA=%s (%s); using the plain-MLX reference",
+                           settings.cpu_isa, exc)
+            return None
+    if hasattr(module, "set_num_threads"):
+        module.set_num_threads(settings.attention_threads or 0)
+        module.set_spin_us(DEFAULT_SPIN_US if settings.spin_us is None else settings.spin_us)
     return module
 
 

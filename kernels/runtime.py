@@ -9,8 +9,9 @@ slow reference BLAS for good), so every module that uses MLX takes it from here:
 from __future__ import annotations
 
 from kernels.blas import preload_openblas
+from kernels.settings import openblas_choice
 
-OPENBLAS_PATH = preload_openblas()
+OPENBLAS_PATH = preload_openblas(openblas_choice())  # once per process, before any settings object exists
 
 import mlx.core as mx  # noqa: E402  (after the preload, on purpose)
 import mlx.nn as nn  # noqa: E402

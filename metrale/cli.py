@@ -1,4 +1,4 @@
-"""The `metrale` command: demo, serve, fleet, bench."""
+"""The `metrale` command: demo, serve, fleet, bench, tokenizer export."""
 
 from __future__ import annotations
 
@@ -22,7 +22,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_fleet_parser(sub)
     add_bench_parser(sub)
+    tokenizer = sub.add_parser("tokenizer", help="the model's tokenizer for other tools")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    export = tokenizer_sub.add_parser("export", help="write a Hugging Face tokenizer folder (tokenizer.json, "
+                                      "tokenizer_config.json) that AutoTokenizer loads")
+    export.add_argument("folder")
+    export.add_argument("--model", default=None, help="GGUF file or model folder (default: SmolLM2-135M-Instruct)")
+    export.set_defaults(func=_export_tokenizer)
     return parser
+
+
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from metrale.loading.tokenizer_only import load_tokenizer
+    from metrale.text.tokenizer_export import export_tokenizer
+
+    folder = export_tokenizer(load_tokenizer(args.model), args.folder)
+    print(f"wrote {folder}/tokenizer.json and tokenizer_config.json")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from scheduler import SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+GENERATION_CONFIGS = ("auto", "vllm")  # EngineConfig.generation_config
 MiB = 1 << 20
 _SCHEDULER_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
@@ -45,6 +46,8 @@ class EngineConfig:
         ranks 1..N-1 as processes on this machine (MLX's ring backend over 127.0.0.1) and is rank 0.
         N must divide the model's heads, kv heads and MLP width. kv_cache_bytes is then per rank
         (each rank caches its own kv heads). One tensor-parallel engine per process.
+    generation_config: "auto" takes the model's sampling defaults (generation_config.json, a GGUF's
+        general.sampling.*) for what a server request leaves unset; "vllm" ignores them (vLLM's flag).
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
         max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
         model's context length, capped at 8192, when the engine starts.
@@ -58,6 +61,7 @@ class EngineConfig:
     failpoints: str | None = None
     speculative_config: SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
+    generation_config: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -96,5 +100,8 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be a positive int, got {size!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"EngineConfig.generation_config must be one of {GENERATION_CONFIGS}, "
+                             f"got {self.generation_config!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

@@ -2,8 +2,8 @@
 
 Submission errors are raised by `generate`/`chat`/`complete` before anything is queued (the engine
 state is unchanged). Each carries `reason` (the `metrale_requests_rejected_total` label, or None
-when it is not counted), `http_status` and `code` (the server's answer), so no caller matches
-message text. The request-level ones come from the scheduler (scheduler/errors.py lists them);
+when it is not counted), `code` and, for a refused request, `field` (the parameter at fault), so no
+caller matches message text; the server maps the types to HTTP statuses (metrale/server/errors.py). The request-level ones come from the scheduler (scheduler/errors.py lists them);
 a request that fails later ends its stream with finish_reason "error" and the stream raises
 `RequestFailedError` to its consumer.
 """
@@ -26,12 +26,14 @@ class InvalidPromptError(RequestRejectedError, TypeError):
     """The prompt is neither a string nor a list of token ids (also a TypeError)."""
 
     code = "invalid_prompt"
+    field = "prompt"
 
 
 class InvalidMessagesError(RequestRejectedError):
     """Chat messages the template cannot render (bad roles or content, or the template refused them)."""
 
     code = "invalid_messages"
+    field = "messages"
 
 
 class InvalidStructuredOutputError(RequestRejectedError):
@@ -39,19 +41,20 @@ class InvalidStructuredOutputError(RequestRejectedError):
     the message names the problem."""
 
     code = "invalid_structured_output"
+    field = "structured_outputs"
 
 
 class StructuredOutputUnavailableError(RequestRejectedError):
     """Structured outputs (or a tool_choice that needs them) without the `metrale[structured]` extra."""
 
     code = "structured_output_unavailable"
+    field = "structured_outputs"
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine cannot take requests right now (HTTP 503)."""
+    """The engine cannot take requests right now (the server answers 503)."""
 
     reason: str | None = None  # not counted as a rejection of the request itself
-    http_status = 503
     code = "unavailable"
 
 

@@ -1,6 +1,7 @@
 """Failpoints: inject faults into a real engine, for tests, users and their chaos tooling.
 
-Read once when the engine starts, from METRALE_FAILPOINTS (or EngineConfig(failpoints=...)):
+Read once when the engine starts, from METRALE_FAILPOINTS (or EngineConfig(failpoints=...), which wins;
+metrale.settings.RuntimeSettings.failpoints holds the choice):
 
     METRALE_FAILPOINTS="detokenize=0.01,execute=@victim"
 
@@ -21,7 +22,6 @@ A raised fault is an `InjectedFault` (a RuntimeError). Unset, the engine holds `
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -86,13 +86,16 @@ class Failpoints:
         return cls(points, seed)
 
     @classmethod
-    def from_env(cls, spec: str | None = None, seed: int | None = None) -> "Failpoints":
-        """The failpoints of `spec`, else of METRALE_FAILPOINTS; NO_FAILPOINTS when neither is set."""
-        spec = spec if spec is not None else os.environ.get(ENV, "")
+    def from_spec(cls, spec: str, seed: int | None = None) -> "Failpoints":
+        """The failpoints of `spec` (RuntimeSettings.failpoints); NO_FAILPOINTS when it is empty."""
         return cls.parse(spec, seed) if spec.strip() else NO_FAILPOINTS
 
     def __bool__(self) -> bool:
         return bool(self.points)
+
+    def disarm(self) -> None:
+        """No point fires from now on (`fired` keeps its counts)."""
+        self.points.clear()
 
     def check(self, point: str, request_id: str | None = None) -> None:
         """Raise InjectedFault if `point` fires now (for `request_id`, when given)."""

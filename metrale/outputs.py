@@ -116,6 +116,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     requests_finished: int
+    requests_unfinished: int = 0  # submitted and not yet ended (an abort lands at the next step boundary)
 
     def __getitem__(self, key: str):
         return getattr(self, key)

@@ -1,9 +1,9 @@
 """SamplingParams: every per-request generation knob, validated once at construction.
 
-Invalid values raise ValueError before anything is queued; the message starts with the field name
-and states the allowed range, e.g. ``temperature must be a number in [0, 2], got 3.5``. Decoding
-from JSON or a dict (`from_dict`, `from_json`) runs the same checks and raises msgspec's
-ValidationError, which is a ValueError too.
+Invalid values raise InvalidParamsError (a ValueError) before anything is queued, naming the parameter in
+`field`; the message starts with the field name and states the allowed range, e.g. ``temperature must be
+a number in [0, 2], got 3.5``. Decoding from JSON or a dict (`from_dict`, `from_json`) runs the same
+checks and raises msgspec's ValidationError, which is a ValueError too.
 
 Ranges follow OpenAI where OpenAI defines the knob (temperature [0, 2], presence/frequency penalty
 [-2, 2], top_logprobs 0..20, logit_bias -100..100) and vLLM otherwise (top_k 0/-1 = off, min_p [0, 1],
@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from metrale.structured_outputs import StructuredOutputs
+from scheduler.errors import InvalidParamsError
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
@@ -110,7 +111,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _check_bool("ignore_eos", self.ignore_eos)
         _check_int("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise InvalidParamsError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                                     field="min_tokens")
         _check_number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -123,11 +125,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if self.allowed_token_ids is not None:
             force(self, "allowed_token_ids", _normalize_token_ids(self.allowed_token_ids, "allowed_token_ids"))
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must hold at least one token id, got []")
+                raise InvalidParamsError("allowed_token_ids must hold at least one token id, got []",
+                                         field="allowed_token_ids")
         force(self, "bad_words", _normalize_strings("bad_words", self.bad_words))
         force(self, "bad_words_token_ids", _normalize_sequences(self.bad_words_token_ids))
         if self.structured_outputs is not None:
-            force(self, "structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
+            force(self, "structured_outputs", _structured_outputs(self.structured_outputs))
         _check_int("n", self.n, 1, None)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
@@ -185,7 +188,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return msgspec.to_builtins(self)
 
 
-# ---- checks: each raises ValueError(f"{field} must be ..., got {value!r}") ----
+# ---- checks: each raises InvalidParamsError(f"{field} must be ..., got {value!r}", field=field) ----
+
+def _structured_outputs(value: object) -> StructuredOutputs:
+    try:
+        return StructuredOutputs.coerce(value)
+    except InvalidParamsError:
+        raise
+    except ValueError as error:
+        raise InvalidParamsError(str(error), field="structured_outputs") from None
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -194,10 +206,11 @@ def _is_int(value: object) -> bool:
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
     if not _is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+        raise InvalidParamsError(f"{name} must be an integer {allowed}, got {value!r}", field=name)
 
 
-def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False,
+                  field: str | None = None) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and value <= high  # type: ignore[operator]
@@ -206,17 +219,18 @@ def _check_number(name: str, value: object, low: float, high: float, *, low_open
             allowed = f"> {low:g}" if low_open else f">= {low:g}"
         else:
             allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+        raise InvalidParamsError(f"{name} must be a finite number {allowed}, got {value!r}", field=field or name)
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise InvalidParamsError(f"{name} must be true or false, got {value!r}", field=name)
 
 
 def _check_top_k(value: object) -> None:
     if not _is_int(value) or value < -1:  # type: ignore[operator]
-        raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to turn it off, got {value!r}")
+        raise InvalidParamsError(f"top_k must be an integer >= 1, or 0 / -1 to turn it off, got {value!r}",
+                                 field="top_k")
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...] | None:
@@ -228,10 +242,11 @@ def _normalize_strings(name: str, value: object) -> tuple[str, ...] | None:
         return None
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise ValueError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+        raise InvalidParamsError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
+                                 field=name)
     for item in items:
         if not isinstance(item, str) or not item:
-            raise ValueError(f"{name} must hold non-empty strings, got {item!r}")
+            raise InvalidParamsError(f"{name} must hold non-empty strings, got {item!r}", field=name)
     return tuple(items) or None
 
 
@@ -239,21 +254,23 @@ def _normalize_token_ids(ids: object, name: str = "stop_token_ids") -> tuple[int
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+        raise InvalidParamsError(f"{name} must be a list of token ids, got {type(ids).__name__}", field=name)
     for token_id in ids:
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"{name} must hold integers >= 0, got {token_id!r}")
+            raise InvalidParamsError(f"{name} must hold integers >= 0, got {token_id!r}", field=name)
     return tuple(ids)
 
 
 def _normalize_sequences(sequences: object) -> tuple[tuple[int, ...], ...]:
     if not isinstance(sequences, (list, tuple)):
-        raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {type(sequences).__name__}")
+        raise InvalidParamsError("bad_words_token_ids must be a list of token id lists, got "
+                                 f"{type(sequences).__name__}", field="bad_words_token_ids")
     out = []
     for ids in sequences:
         ids = _normalize_token_ids(ids, "bad_words_token_ids")
         if not ids:
-            raise ValueError("bad_words_token_ids must hold non-empty token id lists, got []")
+            raise InvalidParamsError("bad_words_token_ids must hold non-empty token id lists, got []",
+                                     field="bad_words_token_ids")
         out.append(ids)
     return tuple(out)
 
@@ -262,9 +279,11 @@ def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {type(bias).__name__}")
+        raise InvalidParamsError("logit_bias must be an object mapping token ids to numbers, got "
+                                 f"{type(bias).__name__}", field="logit_bias")
     for token_id, value in bias.items():
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-        _check_number(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            raise InvalidParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}",
+                                     field="logit_bias")
+        _check_number(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, field="logit_bias")
     return {token_id: float(value) for token_id, value in bias.items()} or None

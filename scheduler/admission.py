@@ -15,7 +15,7 @@ def check_admissible(request: Request, config: SchedulerConfig, kv: KVCacheManag
     """Raise RequestRejectedError, with the numbers, if `request` can never be served."""
     rid = request.request_id
     if not isinstance(rid, str) or not rid:
-        raise InvalidParamsError(f"request_id must be a non-empty str, got {rid!r}")
+        raise InvalidParamsError(f"request_id must be a non-empty str, got {rid!r}", field="request_id")
     if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
         raise InvalidParamsError(
             f"request {rid!r} was already scheduled ({request.status.name}, "
@@ -27,7 +27,7 @@ def check_admissible(request: Request, config: SchedulerConfig, kv: KVCacheManag
         )
     if not isinstance(request.arrival_time, (int, float)):
         raise InvalidParamsError(
-            f"request {rid!r}: arrival_time must be a number, got {request.arrival_time!r}"
+            f"request {rid!r}: arrival_time must be a number, got {request.arrival_time!r}", field="arrival_time"
         )
     n_prompt, max_tokens = request.num_prompt_tokens, request.max_tokens
     if n_prompt == 0:
@@ -56,20 +56,21 @@ def _check_lengths(request: Request) -> None:
     rid, max_tokens, min_tokens = request.request_id, request.max_tokens, request.min_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidParamsError(
-            f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}"
+            f"request {rid!r}: max_tokens must be an int >= 1, got {max_tokens!r}", field="max_tokens"
         )
     if request.num_output_tokens >= max_tokens:
         raise InvalidParamsError(
             f"request {rid!r}: already has {request.num_output_tokens} output tokens, "
-            f"max_tokens is {max_tokens}"
+            f"max_tokens is {max_tokens}", field="max_tokens"
         )
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
         raise InvalidParamsError(
-            f"request {rid!r}: min_tokens must be an int, got {min_tokens!r}"
+            f"request {rid!r}: min_tokens must be an int, got {min_tokens!r}", field="min_tokens"
         )
     if not 0 <= min_tokens <= max_tokens:
         raise InvalidParamsError(
-            f"request {rid!r}: min_tokens must be in 0..max_tokens ({max_tokens}), got {min_tokens}"
+            f"request {rid!r}: min_tokens must be in 0..max_tokens ({max_tokens}), got {min_tokens}",
+            field="min_tokens"
         )
 
 

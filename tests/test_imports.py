@@ -20,7 +20,7 @@ FLOORS = {
     "kvcache": 1,
     "scheduler": 2,
     "metrale": 3, "metrale.config": 3, "metrale.errors": 3, "metrale.outputs": 3, "metrale.sampling_params": 3,
-    "metrale.failpoints": 3, "metrale.speculative.config": 3,
+    "metrale.failpoints": 3, "metrale.settings": 3, "metrale.speculative.config": 3,
     "metrale.text": 4, "metrale.sampling": 4, "metrale.models": 4, "metrale.speculative": 4,
     "metrale.loading": 5,
     # the step message is the engine's contract; tensor parallelism uses it, and only a TP engine uses that room
@@ -31,7 +31,8 @@ FLOORS = {
 }
 # What the server may take from the engine room: its typed interface and the stream it returns.
 SERVER_ENGINE_API = ("metrale.engine.protocol", "metrale.engine.stream")
-MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcache.manager", "metrale",
+MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcache.manager", "kernels.settings",
+            "metrale", "metrale.settings",
             "metrale.config", "metrale.errors", "metrale.outputs", "metrale.sampling_params", "metrale.models",
             "metrale.text", "metrale.text.tokenizer", "metrale.text.gguf_vocab", "metrale.text.gguf_pretokenizers",
             "metrale.text.gguf_sentencepiece", "metrale.text.gguf_wordpiece", "metrale.text.gguf_special_tokens",

@@ -8,10 +8,12 @@
 #include "causal_softmax.h"
 #include "isa.h"
 #include "kv_write.h"
+#include "moe.h"
 #include "mlx/version.h"
 #include "norm_rope.h"
 #include "paged_decode.h"
 #include "paged_prefill.h"
+#include "parallel.h"
 #include "qmm.h"
 
 namespace nb = nanobind;
@@ -22,7 +24,6 @@ using namespace nb::literals;
 
 NB_MODULE(_kernels, m) {
   m.doc() = "CPU kernels for MLX: paged attention, gated activations, quantized matmul (metrale)";
-  metrale::cpu_kernels();  // decides the kernel set now: a bad METRALE_CPU_ISA fails the import, with the reason
   // The mlx version these headers declare; the loader refuses to use a build for another version.
   m.attr("mlx_version") =
       METRALE_STR(MLX_VERSION_MAJOR) "." METRALE_STR(MLX_VERSION_MINOR) "." METRALE_STR(MLX_VERSION_PATCH);
@@ -55,6 +56,12 @@ NB_MODULE(_kernels, m) {
   m.def("set_cpu_isa", &metrale::set_cpu_isa, "name"_a,
         "Use the kernel set `name` (one of supported_isas(), or 'auto'); ValueError otherwise.\n"
         "For tests and benchmarks: call it while no kernel runs.");
+  m.def("set_num_threads", &metrale::set_num_threads, "n"_a,
+        "Use n kernel threads (0: one per CPU this process may run on). Only before the first kernel runs:\n"
+        "afterwards the count is fixed and this returns False unless it already is n.");
+  m.def("num_threads", &metrale::num_threads, "The kernel threads in use (fixes the count).");
+  m.def("set_spin_us", &metrale::set_spin_us, "us"_a,
+        "How long an idle kernel thread spins before it sleeps, in microseconds (0: never).");
   m.def("quantized_matmul", &metrale::quantized_matmul, "x"_a, "q"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16,
         "x (..., K) float32 times packed affine weights (kernels/qmm.py), on the CPU stream.\n\n"
@@ -64,6 +71,11 @@ NB_MODULE(_kernels, m) {
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");
+  m.def("gather_quantized_matmul", &metrale::gather_quantized_matmul, "x"_a, "q"_a, "scales"_a, "biases"_a,
+        "indices"_a, nb::kw_only(), "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16,
+        "Mixture-of-experts matmul (kernels/moe.py): row r of indices (R = T * top_k rows) multiplies\n"
+        "x[r / top_k] (x (T, K) float32) by expert indices[r]'s packed weight (q (E, P, bytes), scales and\n"
+        "biases (E, P, K / group_size, 16)). Returns (*indices.shape, columns) float32; glu as quantized_matmul.");
   m.def("rms_norm", &metrale::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "weight_offset"_a = 0.0f,
         "RMSNorm of x (..., D) float32 with weight (D,) float32 (+ weight_offset: 1 for gemma's 1 + w),\n"
         "one node on the CPU stream: (x / sqrt(mean(x^2) + eps)) * (weight + weight_offset).");

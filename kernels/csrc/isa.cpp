@@ -3,7 +3,6 @@
 #include "isa.h"
 
 #include <atomic>
-#include <cstdlib>
 #include <stdexcept>
 
 namespace metrale {
@@ -57,10 +56,7 @@ const KernelTable* best() {
 }
 
 std::atomic<const KernelTable*>& current() {
-  static std::atomic<const KernelTable*> table{[] {
-    const char* env = std::getenv("METRALE_CPU_ISA");
-    return env != nullptr && *env != '\0' && std::string(env) != "auto" ? find(env) : best();
-  }()};
+  static std::atomic<const KernelTable*> table{best()};
   return table;
 }
 

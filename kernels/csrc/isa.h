@@ -1,6 +1,6 @@
-// Which compiled kernel set runs: the best instruction set this CPU has, decided once at first use.
-// METRALE_CPU_ISA=scalar|avx2|avx512 (read once) asks for a lower one, e.g. to test the fallback; a
-// set the CPU lacks is refused (an illegal instruction would kill the process).
+// Which compiled kernel set runs: the best instruction set this CPU has, unless set_cpu_isa asks for
+// another (kernels/ext.py passes KernelSettings.cpu_isa, METRALE_CPU_ISA, when the module loads, e.g.
+// to test the fallback); a set the CPU lacks is refused (an illegal instruction would kill the process).
 #pragma once
 
 #include <string>

@@ -2,8 +2,9 @@
 //
 // A one-token decode step calls a kernel every ~20-100 us, and a worker asleep on a condition
 // variable wakes 50-100 us late on the 2-core dev VM: it would miss most calls. So a worker that
-// finishes a job spins (pausing, yielding to other threads) for METRALE_SPIN_US microseconds
-// (default 50) waiting for the next one before it sleeps. METRALE_SPIN_US=0 never spins. A longer
+// finishes a job spins (pausing, yielding to other threads) for spin_us microseconds (default 50;
+// KernelSettings.spin_us, METRALE_SPIN_US, set by kernels/ext.py) waiting for the next one before it
+// sleeps. 0 never spins. A longer
 // spin helps a lone in-process engine slightly but starves the server's event loop and co-located
 // clients on a small machine: over HTTP at one stream on 2 cores, 200 us measured ~15% slower than 0-50.
 #pragma once
@@ -28,21 +29,56 @@
 
 namespace metrale {
 
-// Threads the kernels use: METRALE_ATTENTION_THREADS, else the CPUs this process may run on.
+namespace detail {
+
+inline std::atomic<int>& requested_threads() {  // 0: one per CPU this process may run on
+  static std::atomic<int> n{0};
+  return n;
+}
+
+inline std::atomic<bool>& threads_fixed() {
+  static std::atomic<bool> fixed{false};
+  return fixed;
+}
+
+inline std::atomic<int64_t>& spin_microseconds() {
+  static std::atomic<int64_t> us{50};
+  return us;
+}
+
+inline int available_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+}  // namespace detail
+
+// Threads the kernels use: what set_num_threads asked for before the first kernel ran
+// (KernelSettings.attention_threads, METRALE_ATTENTION_THREADS), else the CPUs this process may run on.
 inline int num_threads() {
   static const int n = [] {
-    if (const char* env = std::getenv("METRALE_ATTENTION_THREADS")) {
-      int v = std::atoi(env);
-      if (v >= 1) return v;
-    }
-#if defined(__linux__)
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-    return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    detail::threads_fixed().store(true);
+    const int requested = detail::requested_threads().load();
+    return requested >= 1 ? requested : detail::available_cpus();
   }();
   return n;
 }
+
+// Ask for `n` kernel threads (0: one per available CPU). Only before the first kernel runs: afterwards
+// the count is fixed and this returns false unless it already is `n`.
+inline bool set_num_threads(int n) {
+  if (!detail::threads_fixed().load()) {
+    detail::requested_threads().store(std::max(0, n));
+    return true;
+  }
+  return num_threads() == (n >= 1 ? n : detail::available_cpus());
+}
+
+// How long an idle worker spins before it sleeps (microseconds, >= 0); takes effect at its next wait.
+inline void set_spin_us(int64_t us) { detail::spin_microseconds().store(std::max<int64_t>(0, us)); }
 
 namespace detail {
 
@@ -74,7 +110,7 @@ struct Job {
 
 class Pool {
  public:
-  explicit Pool(int workers) : spin_(spin_budget()) {
+  explicit Pool(int workers) {
     for (int i = 0; i < workers; ++i) std::thread([this] { loop(); }).detach();
   }
 
@@ -89,15 +125,11 @@ class Pool {
   }
 
  private:
-  static std::chrono::microseconds spin_budget() {
-    const char* env = std::getenv("METRALE_SPIN_US");
-    return std::chrono::microseconds(env != nullptr ? std::max(0, std::atoi(env)) : 50);
-  }
-
   void loop() {
     uint64_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
+      const std::chrono::microseconds spin_(spin_microseconds().load(std::memory_order_relaxed));
       for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
         if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start > spin_) {
           std::unique_lock<std::mutex> lock(mutex_);
@@ -119,7 +151,6 @@ class Pool {
     }
   }
 
-  const std::chrono::microseconds spin_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};

@@ -1,6 +1,7 @@
 """mlx-lm's `BatchGenerator` as a load-generator target, on the weights metrale loaded.
 
-    model_factory = partial(mlx_lm_model, engine._runner.model_config, engine._runner.model)
+    keeper = RunnerKeeper(); engine = AsyncEngine(config, runner_factory=keeper)   # started: keeper.runner
+    model_factory = partial(mlx_lm_model, keeper.runner.model_config, keeper.runner.model)
     async with MlxLmTarget(model_factory) as target:           # a thread of its own
         async for chunk in target.stream(BenchRequest(...)): ...
 

@@ -22,6 +22,7 @@ from functools import partial
 
 from kernels.backend import select_backends
 from kernels.runtime import mx
+from kernels.settings import applied
 from kvcache.storage import PagedKVCache
 from metrale.distributed.channel import recv_message
 from metrale.distributed.launcher import join_ring
@@ -29,22 +30,25 @@ from metrale.distributed.messages import FollowerSetup, KVLayout
 from metrale.distributed.sharding import shard_model
 from metrale.engine.step import ForwardInput
 from metrale.loading import load_model
+from metrale.settings import RuntimeSettings
 
 logger = logging.getLogger("metrale.distributed.follower")
 
 
-def serve_steps(setup: FollowerSetup, inbox, rank: int, hostfile: str) -> None:
+def serve_steps(setup: FollowerSetup, inbox, rank: int, hostfile: str, settings: RuntimeSettings) -> None:
     """Join, load, then run every forward rank 0 sends until the end of `inbox`."""
     group = join_ring(rank, hostfile)
     dtype = None if setup.weights_dtype is None else getattr(mx, setup.weights_dtype)
-    loaded = load_model(setup.model, dtype=dtype, shard=partial(shard_model, group=group))
+    with applied(settings.kernels):
+        loaded = load_model(setup.model, dtype=dtype, shard=partial(shard_model, group=group))
     layout = _expect(recv_message(inbox), KVLayout)
     if layout is None:
         return
     mc = loaded.config
-    kv_cache = PagedKVCache(mc.num_hidden_layers, layout.num_blocks, layout.block_size,
-                            mc.num_key_value_heads // setup.size, mc.head_dim, getattr(mx, layout.kv_dtype))
-    backend = select_backends().attention
+    with applied(settings.kernels):
+        kv_cache = PagedKVCache(mc.num_hidden_layers, layout.num_blocks, layout.block_size,
+                                mc.num_key_value_heads // setup.size, mc.head_dim, getattr(mx, layout.kv_dtype))
+    backend = select_backends(settings.kernels).attention
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # the startup barrier
     logger.info("rank %d serving steps: %s, %d KV blocks", rank, loaded.describe_quantization(), layout.num_blocks)
     while (forward := _expect(recv_message(inbox), ForwardInput)) is not None:
@@ -61,7 +65,8 @@ def _expect(message, kind):
 
 def main() -> None:
     rank = int(os.environ["MLX_RANK"])
-    logging.basicConfig(level=os.environ.get("METRALE_LOG_LEVEL", "INFO"),
+    settings = RuntimeSettings.resolve()  # this rank's own environment, inherited from rank 0
+    logging.basicConfig(level=settings.log_level,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     hello = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints go to stderr: stdout is the hello channel
@@ -71,7 +76,7 @@ def main() -> None:
         setup = _expect(recv_message(inbox), FollowerSetup)
         if setup is not None:
             hello.write(b"R")
-            serve_steps(setup, inbox, rank, os.environ["MLX_HOSTFILE"])
+            serve_steps(setup, inbox, rank, os.environ["MLX_HOSTFILE"], settings)
     except BaseException:  # noqa: BLE001  (logged; rank 0 sees its peer lost and fails the group)
         logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
         status = 1

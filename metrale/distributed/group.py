@@ -34,7 +34,7 @@ from metrale.distributed.sharding import shard_model
 from metrale.engine.step import ForwardInput
 from metrale.errors import TensorParallelError
 
-__all__ = ["TensorParallelGroup", "step_timeout_s"]
+__all__ = ["TensorParallelGroup"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,11 +42,6 @@ HELLO_TIMEOUT_S = 120.0  # a follower imports MLX and metrale before its hello
 STARTUP_TIMEOUT_S = 900.0  # joining plus loading the model on every rank, until the barrier
 STOP_TIMEOUT_S = 10.0
 MONITOR_INTERVAL_S = 0.1
-
-
-def step_timeout_s() -> float:
-    """METRALE_TP_STEP_TIMEOUT_S (default 120): a step running longer means a rank stopped responding."""
-    return float(os.environ.get("METRALE_TP_STEP_TIMEOUT_S", "120"))
 
 
 def is_ring_error(error: BaseException) -> bool:
@@ -59,11 +54,13 @@ class TensorParallelGroup:
     """Rank 0's side of an N-rank tensor-parallel group (see the module docstring)."""
 
     def __init__(self, size: int, on_failure: Callable[[TensorParallelError], None] | None = None,
-                 step_timeout: float | None = None) -> None:
+                 step_timeout: float = 120.0) -> None:
+        """`step_timeout`: seconds a step may run before a rank counts as lost (RuntimeSettings.tp_step_timeout_s,
+        METRALE_TP_STEP_TIMEOUT_S)."""
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {size}")
         self.size = size
-        self.step_timeout = step_timeout if step_timeout is not None else step_timeout_s()
+        self.step_timeout = step_timeout
         self.failure: TensorParallelError | None = None
         self._on_failure = on_failure
         self._followers: list[RankProcess] = []
@@ -74,6 +71,11 @@ class TensorParallelGroup:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._monitor: threading.Thread | None = None
+
+    @property
+    def followers(self) -> tuple[RankProcess, ...]:
+        """The processes of ranks 1..N-1 (their pids, exit status), in rank order."""
+        return tuple(self._followers)
 
     # ---- startup ----
 

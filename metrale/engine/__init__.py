@@ -1,6 +1,8 @@
 """The engine room: everything that turns queued requests into streamed tokens.
 
-    async_engine.py   AsyncEngine, the public embeddable engine (submission, lifecycle, stats)
+    async_engine.py   AsyncEngine, the public embeddable engine (lifecycle, health, stats)
+    startup.py        loading the model and building its runner on the MLX thread under the runtime settings
+    submission.py     Submission: validate, tokenize (long prompts off the loop), queue; refusals counted once
     llm.py            LLM, the blocking API: the AsyncEngine on a background thread with its own loop
     core.py           EngineCore, the step loop: schedule -> execute on the MLX thread -> postprocess
     executor.py       StepExecutor: runs a step on the MLX thread, bisects a failed batch to its culprits

@@ -26,12 +26,16 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from prometheus_client import CollectorRegistry
+
 from metrale.config import EngineConfig
 from metrale.engine.async_engine import AsyncEngine, collect_result
+from metrale.engine.startup import RunnerFactory
 from metrale.engine.stream import RequestStream
 from metrale.errors import EngineNotRunningError, RequestFailedError
 from metrale.outputs import CompletionResult, EngineStats, RequestOutput
 from metrale.sampling_params import SamplingParams
+from metrale.settings import RuntimeSettings
 from metrale.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -43,8 +47,10 @@ class LLM:
     """A blocking front to one AsyncEngine, started at construction; `close()` (or leaving `with`)
     aborts what is still running and stops every thread it started."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        self._engine = AsyncEngine(config)
+    def __init__(self, config: EngineConfig | None = None, *, registry: CollectorRegistry | None = None,
+                 settings: RuntimeSettings | None = None, runner_factory: RunnerFactory | None = None) -> None:
+        """`registry`, `settings` and `runner_factory` as AsyncEngine takes them."""
+        self._engine = AsyncEngine(config, registry=registry, settings=settings, runner_factory=runner_factory)
         self._loop = asyncio.new_event_loop()
         self._closing = asyncio.Event()  # set on the loop: the loop thread shuts the engine down and ends
         self._lock = threading.Lock()  # orders every hand-over before close's
@@ -158,11 +164,17 @@ class LLM:
         return self._closed
 
     def stats(self) -> EngineStats:
-        return self._call(_on_loop, self._engine.stats)
+        """A snapshot of the engine; after close() has returned, the stopped engine's last state."""
+        return self._read(self._engine.stats)
 
     def check_integrity(self) -> None:
-        """Raise if the engine's KV accounting is inconsistent."""
-        self._call(_on_loop, self._engine.check_integrity)
+        """Raise if the engine's KV accounting is inconsistent (after close() too)."""
+        self._read(self._engine.check_integrity)
+
+    def _read(self, fn: Callable[[], T]) -> T:
+        if self._closed and not self._thread.is_alive():
+            return fn()  # the loop thread has ended: nothing else touches the engine any more
+        return self._call(_on_loop, fn)
 
     # ---- the loop thread ----
 

@@ -30,6 +30,15 @@ class EngineClient(Protocol):
         """How the model writes tool calls, from its chat template (a metrale.text.tool_parsers format),
         or None when the template shows none."""
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for what a
+        request leaves unset; {} when it ships none or the engine ignores them (generation_config "vllm")."""
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """How the model marks its reasoning, from its chat template (a metrale.text.reasoning format), or None."""
+
     async def start(self) -> Any:
         """Load the model and start serving."""
 

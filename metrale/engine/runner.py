@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from kernels.backend import Backends, select_backends
 from kernels.runtime import mx
+from kernels.settings import KernelSettings
 from kvcache.storage import PagedKVCache
 from metrale.config import EngineConfig
 from metrale.engine.step import ForwardInput, PromptLogprobs, RowError, RowResult
@@ -158,7 +159,8 @@ class ModelRunner:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig, failpoints: Failpoints = NO_FAILPOINTS,
-                    group: TensorParallelGroup | None = None) -> "ModelRunner":
+                    group: TensorParallelGroup | None = None, *,
+                    settings: KernelSettings | None = None) -> "ModelRunner":
         """Allocate the KV pools from the budget and choose the kernels for a loaded model (and load
         the draft model, whose pools share the budget, when speculation uses one). With a
         tensor-parallel `group` the model holds this rank's share: its pools hold its kv heads only,
@@ -177,7 +179,7 @@ class ModelRunner:
         draft_per_block = _bytes_per_block(draft, config.block_size, kv_dtype) if draft is not None else 0
         kv_cache = PagedKVCache.from_budget(config.kv_cache_bytes, mc.num_hidden_layers, config.block_size, kv_heads,
                                             mc.head_dim, kv_dtype, shared_bytes_per_block=draft_per_block)
-        backends = select_backends()
+        backends = select_backends(settings)  # None: the settings in force (kernels.settings.current)
         logger.info("%s, %s; %s", loaded.path.name, loaded.describe_quantization(), backends.describe())
         drafter = None
         if draft is not None:

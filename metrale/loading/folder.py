@@ -5,12 +5,14 @@
                                        "quantization" for MLX-quantized folders (mlx-lm's layout)
       model.safetensors                or model-00001-of-0000N.safetensors + model.safetensors.index.json
       tokenizer.json                   the tokenizer; tokenizer_config.json: chat template, special tokens
-      generation_config.json           eos ids (optional)
+      generation_config.json           eos ids and sampling defaults (optional;
+                                       metrale.loading.generation_defaults reads the latter)
 
 Weight names are mapped to the model's own (`model.layers.0.self_attn.q_proj.weight`): the
 multimodal wrappers' prefixes (`language_model.model.`, `model.language_model.`) are stripped
 and their vision towers dropped, bare `layers.` / `embed_tokens.` / `norm.` gain `model.`,
-RoPE buffers (`rotary_emb.inv_freq`) go, and `lm_head` goes when the embeddings are tied.
+RoPE buffers (`rotary_emb.inv_freq`) go, and `lm_head` goes when the embeddings are tied. MoE
+checkpoints' per-expert tensors are stacked and Phi-3's fused projections split (metrale.loading.layouts).
 
 Quantized folders keep their triples (metrale.loading.weights.keep_quantized_default): on a GPU
 for MLX's quantized kernels, on CPU for metrale's own (kernels/qmm.py; 4 and 8 bits, groups 32, 64,
@@ -30,6 +32,7 @@ from typing import Any
 from kernels.runtime import mx, nn
 
 from metrale.loading.default_model import ModelNotFoundError
+from metrale.loading.layouts import rename_mixtral, split_fused, stack_experts
 from metrale.loading.weights import LoadedModel, build_model, keep_quantized_default
 from metrale.models import MODEL_ARCHITECTURES, ModelConfig, supported_architectures
 from metrale.text.tokenizer import Tokenizer
@@ -106,8 +109,9 @@ def _model_name(name: str) -> str | None:
         return None
     for old, new in _RENAMED_PREFIXES:
         if name.startswith(old):
-            return new + name.removeprefix(old)
-    return name
+            name = new + name.removeprefix(old)
+            break
+    return rename_mixtral(name) if ".block_sparse_moe." in name else name
 
 
 def hf_to_model_names(weights: Mapping[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
@@ -117,10 +121,12 @@ def hf_to_model_names(weights: Mapping[str, mx.array], config: ModelConfig) -> d
         target = _model_name(name)
         if target is None or (config.tie_word_embeddings and target.startswith("lm_head.")):
             continue
-        if target in out:
-            raise ValueError(f"tensor {target} appears twice in the checkpoint (as {name} and another name)")
-        out[target] = array
-    return out
+        module, _, part = target.rpartition(".")
+        for piece, value in (split_fused(module, array, config) or {module: array}).items():
+            if f"{piece}.{part}" in out:
+                raise ValueError(f"tensor {piece}.{part} appears twice in the checkpoint (as {name} and another name)")
+            out[f"{piece}.{part}"] = value
+    return stack_experts(out, config.num_experts) if config.num_experts else out
 
 
 def _renamed_quantization(quantization: Mapping[str, Any] | None) -> Mapping[str, Any] | None:

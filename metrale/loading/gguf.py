@@ -1,4 +1,5 @@
-"""Load a llama-architecture GGUF file: config from its metadata, weights under the model's names.
+"""Load a GGUF file: config from its metadata, weights under the model's names (the architectures
+and what llama.cpp's converter changed in each: metrale.loading.gguf_arch).
 
 `mx.load(path, return_metadata=True)` reads the tensors and the metadata. Q4_0 / Q4_1 / Q8_0
 tensors come back as MLX affine-quantized triples (`name.weight` packed uint32, `name.scales`,
@@ -23,18 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from kernels.runtime import mx, nn
-import numpy as np
 
 from metrale.loading.default_model import ModelNotFoundError, default_model_path
+from metrale.loading.gguf_arch import (
+    GGUF_ARCHITECTURES, config_from_gguf_metadata, gguf_to_hf_weights, metadata_scalar, permute_rope_rows,
+    unpermute_rope_rows,
+)
 from metrale.loading.weights import LoadedModel, build_model, dequantize_affine, keep_quantized_default
-from metrale.models import ModelConfig, RopeScaling
 from metrale.text.tokenizer import Tokenizer
 
 __all__ = [
@@ -43,18 +45,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# general.architecture values this loader maps (llama.cpp writes Mistral 7B and TinyLlama as "llama")
-GGUF_ARCHITECTURES = ("llama",)
-
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
 
 # general.file_type (llama.cpp's llama_ftype): the float ones, and names for the log
 FLOAT_FILE_TYPES = {0: "F32", 1: "F16", 32: "BF16"}
@@ -67,112 +57,18 @@ FILE_TYPE_NAMES = {
 REQUANT_BITS, REQUANT_GROUP = 8, 32
 
 
-def _scalar(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = metadata.get(key, default)
-    if isinstance(value, mx.array) and value.dtype == mx.float32:
-        # the shortest decimal that is this float32 (1e-05, not 9.999999747378752e-06)
-        return float(str(np.float32(value.item())))
-    return value.item() if isinstance(value, mx.array) else value
-
-
-def config_from_gguf_metadata(metadata: Mapping[str, Any], tensor_names: set[str] | frozenset[str]) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.*` keys) and the file's tensor names (ties, biases).
-
-    ValueError for an unsupported architecture (listing the supported ones) or missing keys.
-    """
-    arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
-
-    def need(key: str) -> Any:
-        value = _scalar(metadata, f"{arch}.{key}")
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(_scalar(metadata, f"{arch}.attention.key_length", hidden // heads))
-    rope_dims = int(_scalar(metadata, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dims != head_dim:
-        raise ValueError(f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
-    scaling = None
-    scaling_type = _scalar(metadata, f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", factor=float(need("rope.scaling.factor")))
-    elif scaling_type not in ("none", None):
-        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported; supported: none, linear")
-    vocab = _scalar(metadata, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(metadata.get("tokenizer.ggml.tokens", ()))
-    window = _scalar(metadata, f"{arch}.attention.sliding_window")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        num_hidden_layers=int(need("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_scalar(metadata, f"{arch}.attention.head_count_kv", heads)),
-        intermediate_size=int(need("feed_forward_length")),
-        head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_scalar(metadata, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(_scalar(metadata, f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        sliding_window=None if window in (None, 0) else int(window),
-    )
-
-
-def permute_rope_rows(w: mx.array, n_heads: int) -> mx.array:
-    """Hugging Face -> GGUF row order of a Q or K projection (what llama.cpp's converter does).
-
-    w: (n_heads * head_dim, ...) -> same shape, rows reordered within each head."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_rope_rows(w: mx.array, n_heads: int) -> mx.array:
-    """GGUF -> Hugging Face row order; the inverse of `permute_rope_rows`. w: (n_heads * head_dim, ...)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_to_hf_weights(weights: Mapping[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
-    """GGUF tensor names -> the model's parameter names, with Q/K rows back in Hugging Face order.
-
-    Quantized triples keep their three parts (`.weight`, `.scales`, `.biases`). `rope_freqs.weight`
-    is metadata, not a parameter, and is dropped (see `load_gguf`). ValueError on unknown names."""
-    out: dict[str, mx.array] = {}
-    for name, array in weights.items():
-        if name == "rope_freqs.weight":
-            continue
-        match = _TENSOR_NAME.match(name)
-        layer, base, part = match.groups() if match else (None, None, None)
-        table = _GLOBAL_NAMES if layer is None else _LAYER_NAMES
-        if base not in table:
-            raise ValueError(f"unexpected GGUF tensor {name!r} for a {config.architecture} model")
-        target = table[base] if layer is None else f"model.layers.{layer}.{table[base]}"
-        if base == "attn_q":
-            array = unpermute_rope_rows(array, config.num_attention_heads)
-        elif base == "attn_k":
-            array = unpermute_rope_rows(array, config.num_key_value_heads)
-        out[f"{target}.{part}"] = array
-    return out
-
-
 def requantize_widened(weights: dict[str, mx.array], metadata: Mapping[str, Any]) -> int:
     """In a quantized GGUF (general.file_type not F32/F16/BF16), re-quantize in place every 2-D
     float16/bfloat16 `.weight` (what mx.load makes of K-quants and other types MLX does not map) to
     REQUANT_BITS-bit affine triples with group REQUANT_GROUP (float16 scales and biases, as GGUF's own).
     Returns how many tensors were re-quantized; logs the count and the file type."""
-    file_type = _scalar(metadata, "general.file_type")
+    file_type = metadata_scalar(metadata, "general.file_type")
     if file_type is None or int(file_type) in FLOAT_FILE_TYPES:
         return 0
     count = 0
     for name in [n for n in weights if n.endswith(".weight")]:
         w = weights[name]
-        if w.ndim != 2 or w.dtype not in (mx.float16, mx.bfloat16) or w.shape[1] % REQUANT_GROUP:
+        if w.ndim not in (2, 3) or w.dtype not in (mx.float16, mx.bfloat16) or w.shape[-1] % REQUANT_GROUP:
             continue
         module = name.removesuffix(".weight")
         packed, scales, biases = mx.quantize(w.astype(mx.float32), group_size=REQUANT_GROUP, bits=REQUANT_BITS)
@@ -213,7 +109,7 @@ def load_gguf(
         factors = tuple(float(f) for f in raw["rope_freqs.weight"].astype(mx.float32).tolist())
         config = dataclasses.replace(config, rope_freq_factors=factors)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    weights = gguf_to_hf_weights(raw, config)
+    weights = gguf_to_hf_weights(raw, config, metadata)
     del raw
     if keep:
         requantize_widened(weights, metadata)

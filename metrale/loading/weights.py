@@ -84,14 +84,19 @@ def keep_quantized_default(keep_quantized: bool | None, dtype: mx.Dtype | None) 
 
 
 def dequantize_affine(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
-    """MLX affine-quantized (packed (out, in * bits / 32) uint32, scales / biases (out, in / group))
-    -> float32 (out, in), computed in float32 as llama.cpp does (value = q * scale + bias).
+    """MLX affine-quantized (packed (..., out, in * bits / 32) uint32, scales / biases (..., out, in / group))
+    -> float32 (..., out, in), computed in float32 as llama.cpp does (value = q * scale + bias); the
+    leading axes are experts (E, out, in).
 
     `mx.dequantize` with float16 scales rounds through float16 (errors near 1e-3 on the embedding)
     and is ~5x slower on CPU; this unpacks with vectorized shifts instead."""
     scales32, biases32 = scales.astype(mx.float32), biases.astype(mx.float32)  # (out, in / group)
     if 32 % bits:
         return mx.dequantize(packed, scales32, biases32, group_size=group_size, bits=bits)  # (out, in)
+    if packed.ndim > 2:  # stacked experts: one (E * out, ...) matrix
+        flat = dequantize_affine(packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1]),
+                                 biases.reshape(-1, biases.shape[-1]), bits, group_size)
+        return flat.reshape(*packed.shape[:-1], -1)
     rows = packed.shape[0]
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)  # (32 / bits,): element i sits at bits i*b .. i*b+b-1
     q = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # (out, in * bits / 32, 32 / bits)

@@ -14,7 +14,9 @@ import importlib
 from metrale.models.config import ModelConfig, RopeScaling
 
 # architecture name -> "module:class". Mistral is the llama architecture (with a sliding window
-# in v0.1); "gemma3" is the multimodal checkpoints' type, loaded as their text model.
+# in v0.1); "gemma3" is the multimodal checkpoints' type, loaded as their text model. Phi-3 is llama
+# once its fused qkv / gate_up are split at load; Ministral 3 is llama with yarn RoPE and a query
+# temperature (ModelConfig.attn_temperature_scale).
 MODEL_ARCHITECTURES: dict[str, str] = {
     "llama": "metrale.models.llama:LlamaForCausalLM",
     "mistral": "metrale.models.llama:LlamaForCausalLM",
@@ -22,6 +24,11 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "qwen3": "metrale.models.qwen3:Qwen3ForCausalLM",
     "gemma3": "metrale.models.gemma3:Gemma3ForCausalLM",
     "gemma3_text": "metrale.models.gemma3:Gemma3ForCausalLM",
+    "gemma2": "metrale.models.gemma2:Gemma2ForCausalLM",
+    "phi3": "metrale.models.llama:LlamaForCausalLM",
+    "ministral3": "metrale.models.llama:LlamaForCausalLM",
+    "qwen3_moe": "metrale.models.moe:Qwen3MoeForCausalLM",
+    "mixtral": "metrale.models.moe:MixtralForCausalLM",
 }
 
 __all__ = ["MODEL_ARCHITECTURES", "ModelConfig", "RopeScaling", "get_model_class", "supported_architectures"]

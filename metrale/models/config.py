@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
 
@@ -26,19 +26,28 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 _HF_DEFAULTS["gemma3"] = _HF_DEFAULTS["gemma3_text"]
+# Gemma2Config: even layers slide (Hugging Face's layer_types), GeGLU
+_HF_DEFAULTS["gemma2"] = {"sliding_window_pattern": 2, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096}
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling. "linear" divides positions by `factor`; "llama3" rescales the
     low frequencies as Llama 3.1 does (`low_freq_factor`, `high_freq_factor`,
-    `original_max_position_embeddings`)."""
+    `original_max_position_embeddings`); "yarn" interpolates between the original and the scaled
+    frequencies over the dims between `beta_fast` and `beta_slow` rotations, and scales q and k by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (mscale(s, m) = 0.1 m ln s + 1; 1 for m 0),
+    as Hugging Face, mlx-lm and llama.cpp do."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -65,7 +74,10 @@ class RopeScaling:
         if rope_type == "default":
             return None
         fields = {f.name for f in dataclasses.fields(cls)} - {"rope_type"}
-        return cls(rope_type=rope_type, **{k: v for k, v in scaling.items() if k in fields})
+        values = {k: v for k, v in scaling.items() if k in fields and v is not None}
+        if rope_type == "yarn" and "original_max_position_embeddings" not in scaling:
+            raise ValueError("yarn rope_scaling needs original_max_position_embeddings")
+        return cls(rope_type=rope_type, **values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +94,15 @@ class ModelConfig:
     "sliding_attention" per layer, gemma3) only the sliding layers are limited, and they rotate
     with base `rope_local_theta` (unscaled) when it is set. `query_pre_attn_scalar` sets the
     attention scale to its inverse square root (default head_dim ** -0.5).
-    `final_logit_softcapping` c maps logits to c * tanh(logits / c).
+    `final_logit_softcapping` c maps logits to c * tanh(logits / c); `attn_logit_softcapping` does
+    the same to attention scores (gemma2).
+
+    Mixture of experts (qwen3_moe, mixtral): `num_experts` > 0 makes every layer's MLP a routed block
+    of `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` chosen per token, their
+    weights renormalized when `norm_topk_prob`.
+
+    `attn_temperature_scale` b (Mistral 3's llama_4_scaling_beta): queries at position p are scaled by
+    1 + b * ln(1 + floor(p / attn_temperature_length)).
     """
 
     architecture: str
@@ -108,6 +128,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    attn_temperature_scale: float | None = None
+    attn_temperature_length: int = 0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -160,7 +187,15 @@ class ModelConfig:
                 raise ValueError(f"layer_types {unknown} are not supported; supported: {LAYER_TYPES}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"an MoE config needs 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0, "
+                    f"got {self.num_experts_per_tok} of {self.num_experts} experts of {self.moe_intermediate_size}"
+                )
+        if self.attn_temperature_scale is not None and self.attn_temperature_length <= 0:
+            raise ValueError(f"attn_temperature_length must be > 0, got {self.attn_temperature_length}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be None or > 0, got {value}")
@@ -191,8 +226,6 @@ class ModelConfig:
         `use_sliding_window` is false (Qwen); gemma3's `sliding_window_pattern` becomes `layer_types`.
         Keys a gemma3 config leaves out take Hugging Face's defaults."""
         config = {**_HF_DEFAULTS.get(config.get("model_type", ""), {}), **config}
-        if config.get("attn_logit_softcapping") is not None:
-            raise ValueError("attn_logit_softcapping (Gemma 2) is not supported")
         try:
             heads = config["num_attention_heads"]
             return cls(
@@ -213,11 +246,27 @@ class ModelConfig:
                 query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
                 final_logit_softcapping=config.get("final_logit_softcapping"),
                 hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "silu",
+                attn_logit_softcapping=config.get("attn_logit_softcapping"),
+                **_hf_experts(config),
                 **_hf_rope(config),
                 **_hf_windows(config),
             )
         except KeyError as e:
             raise ValueError(f"model config is missing required key {e.args[0]!r}") from None
+
+
+def _hf_experts(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields from a config.json mapping (Qwen3-MoE's num_experts, Mixtral's num_local_experts)."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("MoE configs with dense layers (mlp_only_layers, decoder_sparse_step != 1) are not supported")
+    return {
+        "num_experts": experts, "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": config.get("moe_intermediate_size") or config["intermediate_size"],
+        "norm_topk_prob": config.get("norm_topk_prob", config.get("model_type") == "mixtral"),
+    }
 
 
 def _hf_rope(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -232,7 +281,12 @@ def _hf_rope(config: Mapping[str, Any]) -> dict[str, Any]:
         rope = dict(rope["full_attention"])
     theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
     scaling = rope if rope else config.get("rope_scaling")
-    return {"rope_theta": theta, "rope_scaling": RopeScaling.from_hf_dict(scaling), "rope_local_theta": local}
+    fields = {"rope_theta": theta, "rope_scaling": RopeScaling.from_hf_dict(scaling), "rope_local_theta": local}
+    beta = (scaling or {}).get("llama_4_scaling_beta")
+    if beta:  # Ministral 3: queries scaled by position (ModelConfig.attn_temperature_scale)
+        fields.update(attn_temperature_scale=float(beta),
+                      attn_temperature_length=int(scaling["original_max_position_embeddings"]))
+    return fields
 
 
 def _hf_windows(config: Mapping[str, Any]) -> dict[str, Any]:

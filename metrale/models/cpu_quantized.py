@@ -6,6 +6,9 @@ layer, layers that read the same input become one call:
     self_attn.q_proj, k_proj, v_proj   -> self_attn.qkv_proj     one matmul, three outputs (q, k, v)
     mlp.gate_proj, up_proj             -> mlp.gate_up_proj       act(gate) * up in the kernel's epilogue
     self_attn.o_proj, mlp.down_proj, lm_head                     one QuantizedLinearCPU each
+    mlp.switch_mlp (MoE experts)       -> QuantizedSwitchGLUCPU  gathered matmuls per (token, expert) row,
+                                                                 gate/up fused (kernels/moe.py); the router
+                                                                 mlp.gate one QuantizedLinearCPU
     model.embed_tokens                 -> QuantizedEmbeddingCPU  lookups dequantize their rows; the
                                                                  tied lm_head runs the matmul kernel
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kernels.moe import QuantizedSwitchGLUCPU, has_moe_kernels
 from kernels.qmm import GLU_KINDS, QuantizedEmbeddingCPU, QuantizedLinearCPU, supports
 from kernels.runtime import nn
 
@@ -54,6 +58,20 @@ def _fuse(parent: nn.Module, names: Sequence[str], fused_name: str, glu: str | N
     return _swap_each(parent, names)
 
 
+def _swap_experts(mlp: nn.Module) -> int:
+    """An MoE block's quantized experts -> one QuantizedSwitchGLUCPU (when the kernels compute their
+    format), and its router; returns how many modules were replaced."""
+    experts = mlp.switch_mlp
+    layers = [experts.gate_proj, experts.up_proj, experts.down_proj]
+    count = _swap_each(mlp, ("gate",))
+    formats = {(getattr(layer, "bits", None), getattr(layer, "group_size", None)) for layer in layers}
+    if (has_moe_kernels() and len(formats) == 1 and all(hasattr(layer, "scales") for layer in layers)
+            and supports(*formats.pop()) and experts.hidden_act in GLU_KINDS):
+        mlp.switch_mlp = QuantizedSwitchGLUCPU(*layers, hidden_act=experts.hidden_act)
+        count += 3
+    return count
+
+
 def use_cpu_kernels(model: nn.Module) -> int:
     """Swap the quantized layers of a llama-family model (LlamaForCausalLM and its subclasses) in
     place; returns how many nn.QuantizedLinear / nn.QuantizedEmbedding were replaced."""
@@ -62,6 +80,9 @@ def use_cpu_kernels(model: nn.Module) -> int:
         attn, mlp = layer.self_attn, layer.mlp
         count += _fuse(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
         count += _swap_each(attn, ("o_proj",))
+        if "switch_mlp" in mlp:
+            count += _swap_experts(mlp)
+            continue
         count += _fuse(mlp, ("gate_proj", "up_proj"), "gate_up_proj", glu=mlp.hidden_act)
         count += _swap_each(mlp, ("down_proj",))
     embed = model.model.embed_tokens
@@ -79,7 +100,8 @@ def set_activation_bits(model: nn.Module, bits: int) -> int:
     default comes from METRALE_QMM_ACTIVATIONS at load). Returns how many modules changed."""
     if bits not in (8, 16):
         raise ValueError(f"activation bits must be 8 or 16, got {bits}")
-    modules = [m for m in model.modules() if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU))]
+    kinds = (QuantizedLinearCPU, QuantizedEmbeddingCPU, QuantizedSwitchGLUCPU)
+    modules = [m for m in model.modules() if isinstance(m, kinds)]
     for module in modules:
         module.activation_bits = bits
     return len(modules)

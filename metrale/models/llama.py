@@ -69,6 +69,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = qk_norm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = qk_norm(self.head_dim, eps=config.rms_norm_eps)
         self._rope = FlatRope(config, local=config.is_sliding_layer(layer_index))
+        self._temperature = (config.attn_temperature_scale, config.attn_temperature_length)
 
     def __call__(
         self, x: mx.array, positions: mx.array, kv_cache: PagedKVCache, metadata: AttentionMetadata
@@ -85,11 +86,24 @@ class LlamaAttention(nn.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # each head normalized over head_dim
         q, k = self._rope.rotate_qk(q, k, positions, metadata)  # (T, n_heads | n_kv_heads, head_dim) each
+        if self._temperature[0] is not None:
+            q = q * self._query_temperature(positions, metadata).astype(q.dtype)
         # each pool (num_slots, n_kv_heads, head_dim), already holding this step's K/V
         k_pool, v_pool = kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
         out = paged_attention(q, k_pool, v_pool, metadata, self.scale, sliding_window=self.sliding_window)
         # out (T, n_heads, head_dim)
         return _sum_across(self.o_proj(out.reshape(num_tokens, self.n_heads * self.head_dim)), self.tp_group)  # (T, D)
+
+
+    def _query_temperature(self, positions: mx.array, metadata: AttentionMetadata) -> mx.array:
+        """Ministral 3's per-position query scale 1 + beta * ln(1 + floor(p / length)), (T, 1, 1)."""
+        beta, length = self._temperature
+
+        def scale() -> mx.array:
+            floors = mx.floor(positions.astype(mx.float32) / length)  # (T,)
+            return (1 + beta * mx.log(1 + floors))[:, None, None]  # (T, 1, 1)
+
+        return metadata.cached(("query_temperature", beta, length), scale)
 
 
 class LlamaMLP(nn.Module):

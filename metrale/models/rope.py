@@ -40,6 +40,32 @@ def llama3_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> mx.a
     return mx.where(is_medium, smooth_freqs, freqs)  # (head_dim // 2,)
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 or mscale == 0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(head_dim: int, base: float, scaling: RopeScaling) -> tuple[mx.array, float]:
+    """YaRN's frequency schedule and magnitude scale (as mlx-lm's YarnRoPE and Hugging Face's
+    _compute_yarn_parameters): (wavelength divisors (head_dim // 2,) for mx.fast.rope(freqs=...),
+    the factor q and k are multiplied by)."""
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001  # as the references: no zero-width ramp
+    ramp = mx.clip((mx.arange(head_dim // 2, dtype=mx.float32) - low) / (high - low), 0, 1)  # (head_dim // 2,)
+    extrapolated = base ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)  # (head_dim // 2,)
+    interpolated = scaling.factor * extrapolated
+    keep = 1.0 - ramp  # 1: the original frequency (high-frequency dims), 0: the interpolated one
+    freqs = interpolated * extrapolated / (interpolated * keep + extrapolated * (1 - keep))
+    mscale = _yarn_mscale(scaling.factor, scaling.mscale) / _yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return freqs, mscale
+
+
 class FlatRope:
     """RoPE over (T, n_heads, head_dim) with a position per token. Holds no trainable weights.
 
@@ -52,6 +78,7 @@ class FlatRope:
         self.scale = 1.0
         self.base: float | None = config.rope_theta
         self.freqs: mx.array | None = None  # (head_dim // 2,) when set
+        self.mscale = 1.0  # yarn's magnitude scale of q and k
         scaling = config.rope_scaling
         if local and config.rope_local_theta is not None:
             self.base = config.rope_local_theta
@@ -59,6 +86,9 @@ class FlatRope:
             self.scale = 1.0 / scaling.factor
         elif scaling is not None and scaling.rope_type == "llama3":
             self.freqs = llama3_frequencies(config.head_dim, config.rope_theta, scaling)
+            self.base = None
+        elif scaling is not None and scaling.rope_type == "yarn":
+            self.freqs, self.mscale = yarn_frequencies(config.head_dim, config.rope_theta, scaling)
             self.base = None
         elif config.rope_freq_factors is not None:
             exponents = mx.arange(0, config.head_dim, 2, dtype=mx.float32) / config.head_dim  # (head_dim // 2,)
@@ -92,6 +122,8 @@ class FlatRope:
         """q (T, n_heads, head_dim), k (T, n_kv_heads, head_dim), positions (T,) -> rotated (q, k).
 
         `metadata` (the step's AttentionMetadata) caches the fused path's cos / sin tables for all layers."""
+        if self.mscale != 1.0:
+            q, k = q * self.mscale, k * self.mscale
         if not (self._fused and q.dtype == mx.float32 and k.dtype == mx.float32):
             return self(q, positions), self(k, positions)
 

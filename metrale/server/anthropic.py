@@ -4,10 +4,13 @@
          assistant tool_calls, tool_result blocks as tool turns) -> the same validation, chat template, tool
          plan and engine stream as /v1/chat/completions -> content blocks: text and tool_use
 
-A whole response is one `message` object. A streamed one is Anthropic's named SSE events:
+Reasoning the chat template shows (a <think> block, gpt-oss's analysis channel; --reasoning-parser overrides, as on
+the OpenAI routes) comes first as a `thinking` block. A whole response is one `message` object. A streamed one is
+Anthropic's named SSE events:
 
     message_start (the message with empty content and the input usage)
-    per block:  content_block_start  content_block_delta (text_delta | input_json_delta) ...  content_block_stop
+    per block:  content_block_start  content_block_delta (thinking_delta | text_delta | input_json_delta) ...
+                content_block_stop
     message_delta (stop_reason, stop_sequence, output usage)   message_stop
     a failure after the start: an `error` event instead of message_delta / message_stop
 
@@ -46,15 +49,17 @@ def error_body(error: APIError) -> dict[str, Any]:
 
 async def handle(engine: EngineClient, served_model: str, path: str, body: bytes, send: Send, receive: Receive, *,
                  request_id: str | None = None, tool_call_format: str | None = None,
-                 model_aliases: tuple[str, ...] = ()) -> None:
-    """Serve one Messages API request; anything refused before the response is an Anthropic error body."""
+                 model_aliases: tuple[str, ...] = (), reasoning_parser: str | None = None) -> None:
+    """Serve one Messages API request; anything refused before the response is an Anthropic error body.
+    `reasoning_parser`: the server's --reasoning-parser (None: what the chat template shows)."""
     try:
         if path == COUNT_TOKENS_PATH:
             return await _count_tokens(engine, served_model, body, send, model_aliases)
         request = protocol.decode(body, ap.MessagesRequest)
         call, stream = await completions.open_stream(engine, served_model, ap.to_chat_request(request),
                                                      default_max_tokens=None, request_id=request_id,
-                                                     tool_call_format=tool_call_format, model_aliases=model_aliases)
+                                                     tool_call_format=tool_call_format, model_aliases=model_aliases,
+                                                     reasoning_parser=reasoning_parser or "auto")
     except APIError as error:
         if error.reject_reason is not None:
             engine.record_rejected(error.reject_reason)
@@ -84,7 +89,7 @@ class _Message:
         self.call = call
         self.model = call.model
         self.stop_sequences = tuple(request.stop_sequences or ())
-        self.parser = call.plan.stream() if call.plan is not None else None
+        self.parser = call.plan.stream(call.prompt_tail) if call.plan is not None else None
         self.blocks: list[dict[str, Any]] = []  # finished and open blocks, in order
         self.open: dict[str, Any] | None = None  # the block deltas go to
         self.last: RequestOutput | None = None
@@ -124,10 +129,19 @@ class _Message:
         if self.parser is None:
             return self._text(out.text) + (self._close() if final else [])
         fields = self.parser.delta(out.text, final=final)
-        events = self._text(fields.get("content", ""))
+        events = self._thinking(fields.get("reasoning_content", "")) + self._text(fields.get("content", ""))
         for call in fields.get("tool_calls", ()):
             events += self._tool_call(call)
         return events + (self._close() if final else [])
+
+    def _thinking(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        if not text:
+            return []
+        events = []
+        if self.open is None or self.open["type"] != "thinking":
+            events = self._close() + self._open({"type": "thinking", "thinking": "", "signature": ""})
+        self.open["thinking"] += text
+        return events + [self._delta({"type": "thinking_delta", "thinking": text})]
 
     def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         if not text:
@@ -169,12 +183,16 @@ def _started(block: dict[str, Any]) -> dict[str, Any]:
     """A block as content_block_start shows it: empty text, empty input."""
     if block["type"] == "text":
         return {"type": "text", "text": ""}
+    if block["type"] == "thinking":  # no signature: the reasoning is the model's own text, nothing to verify
+        return {"type": "thinking", "thinking": "", "signature": ""}
     return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
 
 
 def _finished(block: dict[str, Any]) -> dict[str, Any]:
     if block["type"] == "text":
         return {"type": "text", "text": block["text"]}
+    if block["type"] == "thinking":
+        return {"type": "thinking", "thinking": block["thinking"], "signature": ""}
     return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": _arguments(block["arguments"])}
 
 

@@ -54,6 +54,8 @@ class ServerApp:
     body_timeout_s: a request body that has not fully arrived after this long gets a 408.
     tool_call_parser: how the model writes tool calls (a metrale.text.tool_parsers format); by default
         what the engine reads from the model's chat template.
+    reasoning_parser: how the model marks its reasoning (a metrale.text.reasoning format, or "none" to
+        leave it in content); by default what the engine reads from the chat template.
     allowed_origins: origins browsers may call the API from ("*" for any; see cors.py).
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
@@ -64,7 +66,7 @@ class ServerApp:
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 reasoning_parser: str | None = None, on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -72,6 +74,7 @@ class ServerApp:
         self.dead_grace_s = dead_grace_s
         self.manage_engine = manage_engine
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.cors = CorsPolicy(tuple(allowed_origins))
         self.on_fatal = on_fatal
         self.startup_error: BaseException | None = None
@@ -164,7 +167,7 @@ class ServerApp:
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s) if method == "POST" else b""
             return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
                                        request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                       model_aliases=self.model_aliases)
+                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         self._authenticate(scope)
@@ -174,13 +177,14 @@ class ServerApp:
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
                                           request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                          model_aliases=self.model_aliases)
+                                          model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             if method != "POST":
                 raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
             body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
-                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases}
+                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
+                       "reasoning_parser": self.reasoning_parser}
             if path == RESPONSES_PATH:
                 return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],

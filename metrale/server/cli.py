@@ -20,10 +20,13 @@ from typing import Iterator
 import uvicorn
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 
-from metrale.config import EngineConfig
+from metrale.config import GENERATION_CONFIGS, EngineConfig
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
+from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
+from metrale.settings import RuntimeSettings
+from metrale.text.output_parsing import CHOOSABLE
 
 logger = logging.getLogger(__name__)
 DESCRIPTION = """Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models),
@@ -68,6 +71,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=defaults.block_size)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=defaults.seed)
+    engine.add_argument("--generation-config", default=defaults.generation_config, choices=GENERATION_CONFIGS,
+                        help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty take "
+                             "the model's defaults (generation_config.json, GGUF general.sampling.*); vllm: ignore them")
     engine.add_argument("--tensor-parallel", type=int, default=defaults.tensor_parallel_size, metavar="N",
                         help="shard the model over N ranks on this machine (MLX ring backend on 127.0.0.1); "
                              "this process is rank 0 and starts the others")
@@ -82,7 +88,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                       help="CORS: a comma list of origins browsers may call the API from, or * (default: none); "
                            "the API key is still required")
-    http.add_argument("--api-key", default=os.environ.get("METRALE_API_KEY"),
+    http.add_argument("--api-key", default=None,
                       help="require this bearer token on /v1/* (default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
     http.add_argument("--model-alias", action="append", default=None, metavar="NAME",
@@ -102,8 +108,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--dead-exit-grace", type=float, default=5.0,
                       help="seconds between the engine dying and the process exiting with status 1")
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    http.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
-                      help="how the model writes tool calls (default: read from its chat template)")
+    http.add_argument("--tool-call-parser", default=None, choices=CHOOSABLE,
+                      help="how the model writes tool calls (default: read from its chat template; \"generic\" "
+                           "when it shows none)")
+    http.add_argument("--reasoning-parser", default=None, choices=(*REASONING_FORMATS, "none"),
+                      help="how the model marks its reasoning, split into reasoning_content (default: read "
+                           "from its chat template; \"none\" leaves it in content)")
 
 
 class _JoinHosts(argparse.Action):
@@ -147,7 +157,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,
-                        tensor_parallel_size=args.tensor_parallel)
+                        tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config)
 
 
 class DrainingServer(uvicorn.Server):
@@ -218,6 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
         collector(registry=registry)
     try:
         engine_cfg = engine_config(args)
+        settings = RuntimeSettings.resolve(engine_cfg, api_key=args.api_key)
         origins = parse_origins(args.allowed_origins)
         hosts = listen_hosts(args.host)
     except ValueError as error:  # a bad flag value: say which, no traceback
@@ -228,12 +239,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 1
-    engine = AsyncEngine(engine_cfg, registry=registry)
-    app = ServerApp(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+    engine = AsyncEngine(engine_cfg, registry=registry, settings=settings)
+    app = ServerApp(engine, api_key=settings.api_key, served_model_name=args.served_model_name,
                     model_aliases=tuple(args.model_alias or ()),
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
-                    tool_call_parser=args.tool_call_parser, allowed_origins=origins)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    allowed_origins=origins)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
                             lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,

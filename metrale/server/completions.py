@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -24,7 +24,7 @@ from typing import Any
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.server import logprobs as lp
-from metrale.server import protocol, structured, tools
+from metrale.server import chat_output, protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, from_engine_error
 from metrale.engine.protocol import EngineClient
@@ -48,12 +48,13 @@ class _Call:
     model: str
     include_usage: bool
     logprobs: int | None  # None: not requested
-    plan: tools.ToolPlan | None = None  # chat with tool parsing (metrale.server.tools)
+    plan: chat_output.OutputPlan | None = None  # chat with reasoning or tool parsing (metrale.server.chat_output)
     n: int = 1  # choices
     echo: str | None = None  # completions with echo: the prompt text each choice starts with
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top alternatives), None: not requested
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk
+    prompt_tail: str = ""  # the prompt's last tokens as text: where a reasoning block stands
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -66,7 +67,7 @@ class _Choice:
 
     def __init__(self, index: int, call: _Call) -> None:
         self.index = index
-        self.tools = call.plan.stream() if call.plan is not None else None
+        self.tools = call.plan.stream(call.prompt_tail) if call.plan is not None else None
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.last: RequestOutput | None = None
@@ -100,16 +101,18 @@ class _Choice:
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
-                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
+                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                 reasoning_parser: str | None = None) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
     `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
     field, which also makes the response id), else the response id.
-    `tool_call_format` overrides the format the engine reads from the model's chat template;
+    `tool_call_format` overrides the format the engine reads from the model's chat template, and
+    `reasoning_parser` its reasoning format ("none": reasoning stays in content);
     `model_aliases` are other model ids answered as the served one."""
     request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
     call, stream = await open_stream(engine, served_model, request, default_max_tokens=default_max_tokens,
                                      request_id=request_id, tool_call_format=tool_call_format,
-                                     model_aliases=model_aliases)
+                                     model_aliases=model_aliases, reasoning_parser=reasoning_parser or "auto")
     respond = _stream_response if request.stream else _full_response
     try:
         await run_until_disconnect(respond(engine, call, stream, send), receive)
@@ -120,24 +123,31 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, chat: boo
 async def open_stream(engine: EngineClient, served_model: str,
                       request: protocol.CompletionRequest | protocol.ChatCompletionRequest, *,
                       default_max_tokens: int | None, request_id: str | None = None,
-                      tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> tuple[_Call, Any]:
+                      tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                      reasoning_parser: str = "none") -> tuple[_Call, Any]:
     """Validate a decoded request, render and tokenize its prompt (off the event loop when long) and submit
     it: the fields its response objects share, and the engine stream (the caller closes it). Raises
     APIError for anything refused. The Anthropic and Ollama routes come here too, with their bodies
-    translated into a ChatCompletionRequest."""
+    translated into a ChatCompletionRequest. `reasoning_parser`: "auto" reads reasoning as the chat template
+    shows it, a metrale.text.reasoning format forces one, "none" (what the other routes get) leaves it in content."""
     chat = isinstance(request, protocol.ChatCompletionRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
-    params = protocol.sampling_params(request, default_max_tokens)
-    plan = tools.plan(request, tool_call_format or engine.tool_call_format) if chat else None
+    params = protocol.sampling_params(request, default_max_tokens, engine.sampling_defaults)
+    model_format = tool_call_format or engine.tool_call_format
+    plan = tools.plan(request, model_format) if chat else None
+    reasoning = chat_output.reasoning_format(None if reasoning_parser == "auto" else reasoning_parser, engine)
+    output = chat_output.output_plan(plan, reasoning, request.include_reasoning is not False) if chat else None
     if plan is not None:
         params = plan.params(params)
+    if output is not None:
+        params = output.params(params)
     await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output
                    else structured.source_of(request))
     options = request.stream_options
     include_usage = options is not None and (options.include_usage or options.continuous_usage_stats)
-    with engine_errors():
+    with engine_errors(protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS):
         if chat:
-            prompt_ids = await _chat_prompt_ids(engine, request, plan)
+            prompt_ids = await _chat_prompt_ids(engine, request, plan, model_format)
         else:
             prompt = protocol.completion_prompt(request)
             prompt_ids = await engine.prompt_token_ids(prompt)
@@ -147,9 +157,9 @@ async def open_stream(engine: EngineClient, served_model: str,
         call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id or uuid.uuid4().hex}",
                      int(time.time()), model,
                      include_usage, params.logprobs,
-                     plan if plan is not None and plan.parses_calls else None, params.n, echo,
-                     tuple(prompt_ids), request.prompt_logprobs,
-                     continuous_usage=options is not None and options.continuous_usage_stats)
+                     output, params.n, echo, tuple(prompt_ids), request.prompt_logprobs,
+                     continuous_usage=options is not None and options.continuous_usage_stats,
+                     prompt_tail=chat_output.prompt_tail(engine, prompt_ids) if output is not None else "")
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     return call, stream
 
@@ -157,28 +167,29 @@ async def open_stream(engine: EngineClient, served_model: str,
 async def prompt_token_ids(engine: EngineClient, request: protocol.ChatCompletionRequest) -> list[int]:
     """The token ids a chat request's prompt renders to (its tools included), as open_stream would submit."""
     plan = tools.plan(request, engine.tool_call_format)
-    with engine_errors():
-        return await _chat_prompt_ids(engine, request, plan)
+    with engine_errors(protocol.CHAT_FIELDS):
+        return await _chat_prompt_ids(engine, request, plan, engine.tool_call_format)
 
 
 @contextmanager
-def engine_errors() -> Iterator[None]:
-    """The engine's submit-time errors (typed rejections, bad params) as APIErrors; others propagate."""
+def engine_errors(renames: Mapping[str, str] | None = None) -> Iterator[None]:
+    """The engine's submit-time errors (typed rejections, bad params) as APIErrors; others propagate.
+    `renames`: the engine's parameter names as the route calls them (protocol.CHAT_FIELDS, ...)."""
     try:
         yield
     except APIError:
         raise
     except Exception as error:
-        api_error = from_engine_error(error, protocol.PARAM_NAMES)
+        api_error = from_engine_error(error, renames)
         if api_error is None:
             raise
         raise api_error from error
 
 
 async def _chat_prompt_ids(engine: EngineClient, request: protocol.ChatCompletionRequest,
-                           plan: tools.ToolPlan | None) -> list[int]:
+                           plan: tools.ToolPlan | None, model_format: str | None) -> list[int]:
     """Long prompts are tokenized off the event loop."""
-    return await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request)),
+    return await engine.chat_token_ids(tools.template_messages(protocol.chat_messages(request), plan, model_format),
                                        tools=plan.template_tools if plan is not None else None,
                                        **protocol.template_kwargs(request))
 

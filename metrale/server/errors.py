@@ -11,11 +11,16 @@ Every error body is `{"error": {"message", "type", "param", "code"}}`. The statu
     429 rate_limit_error        the engine's waiting queue is full (Retry-After: 1)
     500 internal_error          a request failed inside the engine
     503 service_unavailable     loading, draining for shutdown, unhealthy, or the request was aborted
+
+The engine's errors get their status from their type (STATUS_OF_ERROR below) and their `param` from the
+`field` they carry (metrale/errors.py); nothing is read from a message except msgspec's decode errors,
+whose path is the only place it says which field failed.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import msgspec
 
@@ -64,27 +69,40 @@ def from_decode_error(error: msgspec.DecodeError) -> APIError:
     return bad_request(f"invalid request body: {error}", param)
 
 
-def from_engine_error(error: Exception, param_names: tuple[str, ...] = ()) -> APIError | None:
+# The engine's error types and the status each gets: the first type the error is an instance of wins.
+STATUS_OF_ERROR: tuple[tuple[type[Exception], int], ...] = (
+    (QueueFullError, 429),
+    (RequestRejectedError, 400),
+    (EngineUnavailableError, 503),
+)
+
+
+def status_of(error: Exception) -> int | None:
+    """The HTTP status of an engine error (STATUS_OF_ERROR), None for an error that is not the engine's."""
+    return next((status for kind, status in STATUS_OF_ERROR if isinstance(error, kind)), None)
+
+
+def from_engine_error(error: Exception, renames: Mapping[str, str] | None = None) -> APIError | None:
     """Map an exception raised by `engine.generate`/`engine.chat` at submit time; None if not ours.
 
-    The engine's typed errors carry their status and code (metrale.errors); it has already counted
-    its own rejections, so these carry no `reject_reason`. Other ValueError / TypeError (e.g. bad
-    SamplingParams) are a 400 naming the field the message names.
+    The status comes from the error's type (STATUS_OF_ERROR), `code` and `param` from what it carries:
+    `param` is its `field` (the engine's parameter name), renamed to the endpoint's request field by
+    `renames` (e.g. {"prompt": "messages"} for chat). The engine has already counted its own rejections,
+    so these carry no `reject_reason`. Other ValueError / TypeError are a 400 (naming their `field` when
+    they have one).
     """
+    status = status_of(error)
     if isinstance(error, EngineUnavailableError):
-        return APIError(error.http_status, _UNAVAILABLE.get(error.code, str(error)), code=error.code)
+        return APIError(status, _UNAVAILABLE.get(error.code, str(error)), code=error.code)
     if isinstance(error, RequestRejectedError):
         message = f"server is busy: {error}" if isinstance(error, QueueFullError) else str(error)
-        return APIError(error.http_status, message, param=guess_param(str(error), param_names), code=error.code)
+        return APIError(status, message, param=request_field(error, renames), code=error.code)
     if isinstance(error, (ValueError, TypeError)):
-        message = str(error)
-        return APIError(400, message, param=guess_param(message, param_names))
+        return APIError(400, str(error), param=request_field(error, renames))
     return None
 
 
-def guess_param(message: str, param_names: tuple[str, ...]) -> str | None:
-    """The first request field named in a validation message (SamplingParams names its field)."""
-    for name in sorted(param_names, key=len, reverse=True):
-        if re.search(rf"\b{re.escape(name)}\b", message):
-            return name
-    return None
+def request_field(error: Exception, renames: Mapping[str, str] | None = None) -> str | None:
+    """The request field an error names (its `field`, renamed for the endpoint), or None."""
+    field = getattr(error, "field", None)
+    return (renames or {}).get(field, field) if isinstance(field, str) else None

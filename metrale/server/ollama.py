@@ -11,7 +11,8 @@
 Requests are translated (ollama_protocol.py) into the OpenAI routes' requests and go through the same
 validation, template, tool plan and engine stream (completions.open_stream). A streamed answer is one JSON object
 per line; the last has "done": true, "done_reason" ("stop" | "length") and the counts and durations in
-nanoseconds. Tool calls arrive whole, in one object before the last. Errors are `{"error": "<message>"}`.
+nanoseconds. Tool calls arrive whole, in the last object; reasoning the chat template shows is `message.thinking`
+(`thinking` on /api/generate). Errors are `{"error": "<message>"}`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def serves(path: str) -> bool:
 
 async def handle(engine: EngineClient, served_model: str, method: str, path: str, body: bytes, send: Send,
                  receive: Receive, *, request_id: str | None = None, tool_call_format: str | None = None,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+                 model_aliases: tuple[str, ...] = (), reasoning_parser: str | None = None) -> None:
     """Serve one Ollama API request; anything refused is `{"error": ...}` with the OpenAI routes' status."""
     try:
         if path == "/" and method in ("GET", "HEAD"):
@@ -67,7 +68,8 @@ async def handle(engine: EngineClient, served_model: str, method: str, path: str
         request = op.chat_request(ollama_request) if chat else op.generate_request(ollama_request)
         call, stream = await completions.open_stream(engine, served_model, request, default_max_tokens=None,
                                                      request_id=request_id, tool_call_format=tool_call_format,
-                                                     model_aliases=model_aliases)
+                                                     model_aliases=model_aliases,
+                                                     reasoning_parser=reasoning_parser or "auto")
     except APIError as error:
         if error.reject_reason is not None:
             engine.record_rejected(error.reject_reason)
@@ -95,34 +97,38 @@ class _Answer:
         self.model = model
         self.call = call
         self.chat = chat
-        self.parser = call.plan.stream() if call.plan is not None else None
+        self.parser = call.plan.stream(call.prompt_tail) if call.plan is not None else None
+        self.thinking: list[str] = []
         self.started_ns = time.monotonic_ns()
         self.first_token_ns: int | None = None
         self.text: list[str] = []
         self.calls: dict[int, dict[str, str]] = {}  # index -> name, arguments text
         self.last: RequestOutput | None = None
 
-    def feed(self, out: RequestOutput) -> str:
-        """The content text this delta makes certain (tool calls are kept until the end)."""
+    def feed(self, out: RequestOutput) -> tuple[str, str]:
+        """The (thinking, content) text this delta makes certain (tool calls are kept until the end)."""
         self.last = out
         if self.first_token_ns is None and out.token_ids:
             self.first_token_ns = time.monotonic_ns()
         if self.parser is None:
             self.text.append(out.text)
-            return out.text
+            return "", out.text
         fields = self.parser.delta(out.text, final=out.finish_reason is not None)
         for call in fields.get("tool_calls", ()):
             entry = self.calls.setdefault(call["index"], {"name": "", "arguments": ""})
             entry["name"] = call["function"].get("name") or entry["name"]
             entry["arguments"] += call["function"].get("arguments") or ""
-        content = fields.get("content", "")
+        content, thinking = fields.get("content", ""), fields.get("reasoning_content", "")
         self.text.append(content)
-        return content
+        self.thinking.append(thinking)
+        return thinking, content
 
-    def chunk(self, content: str, tool_calls: bool = False) -> dict[str, Any]:
+    def chunk(self, content: str, tool_calls: bool = False, thinking: str = "") -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "created_at": _now()}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
             if tool_calls:
                 message["tool_calls"] = [{"function": {"index": index, "name": call["name"],
                                                        "arguments": _arguments(call["arguments"])}}
@@ -130,14 +136,16 @@ class _Answer:
             body["message"] = message
         else:
             body["response"] = content
+            if thinking:
+                body["thinking"] = thinking
         return {**body, "done": False}
 
-    def final(self, content: str) -> dict[str, Any]:
+    def final(self, content: str, thinking: str = "") -> dict[str, Any]:
         """The last object: done, why, and Ollama's counts and durations (nanoseconds)."""
         last = self.last
         now = time.monotonic_ns()
         first = self.first_token_ns or now
-        body = {**self.chunk(content, tool_calls=bool(self.calls)), "done": True,
+        body = {**self.chunk(content, tool_calls=bool(self.calls), thinking=thinking), "done": True,
                 "done_reason": "length" if last.finish_reason == "length" else "stop",
                 "total_duration": now - self.started_ns, "load_duration": 0,
                 "prompt_eval_count": last.num_prompt_tokens, "prompt_eval_duration": first - self.started_ns,
@@ -168,7 +176,7 @@ async def _full_response(answer: _Answer, stream: Any, send: Send) -> None:
         raise APIError(500, str(error), code="request_failed") from error
     if answer.last is None or answer.last.finish_reason == "abort":
         raise APIError(503, completions.ABORTED, code="aborted")
-    await send_json(send, 200, answer.final("".join(answer.text)))
+    await send_json(send, 200, answer.final("".join(answer.text), "".join(answer.thinking)))
 
 
 async def _stream_response(answer: _Answer, stream: Any, send: Send) -> None:
@@ -182,12 +190,10 @@ async def _stream_response(answer: _Answer, stream: Any, send: Send) -> None:
             if out.finish_reason in ("abort", "error"):
                 answer.last = out
                 continue  # abort: reported below; error: the stream raises next
-            content = answer.feed(out)
-            if out.finish_reason is None and content:
-                await line(answer.chunk(content))
-            elif out.finish_reason is not None:
-                if content:
-                    await line(answer.chunk(content))
+            thinking, content = answer.feed(out)
+            if content or thinking:
+                await line(answer.chunk(content, thinking=thinking))
+            if out.finish_reason is not None:
                 return await line(answer.final(""), more=False)
     except RequestFailedError as error:
         return await line({"error": str(error)}, more=False)

@@ -11,13 +11,14 @@ metrale.server.structured, tools in metrale.server.tools.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 
 from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
-from metrale.server.errors import APIError, bad_request, from_decode_error, guess_param
+from metrale.server.errors import APIError, bad_request, from_decode_error, request_field
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
@@ -117,6 +118,7 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, given back (Qwen3's template reads it)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -141,8 +143,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     function_call: Any = None
     metadata: Any = None
     store: Any = None
-    reasoning_effort: Any = None
-    include_reasoning: Any = None
+    reasoning_effort: str | None = None  # given to the chat template (gpt-oss reads it); "none" turns thinking off
+    include_reasoning: bool | None = None  # vLLM's: false drops reasoning_content from the response
     verbosity: Any = None
     web_search_options: Any = None
     service_tier: Any = None
@@ -160,10 +162,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
                 "include_stop_str_in_output", "skip_special_tokens")
-PARAM_NAMES = _PASSTHROUGH + ("max_tokens", "max_completion_tokens", "stop", "logprobs", "top_logprobs",
-                              "prompt", "messages", "n", "model", "best_of", "echo", "prompt_logprobs",
-                              "chat_template_kwargs", *structured.PARAM_NAMES)
+# The engine's parameter names (an error's `field`) that these endpoints call otherwise.
+COMPLETION_FIELDS = {"bad_words_token_ids": "bad_words"}
+CHAT_FIELDS = {**COMPLETION_FIELDS, "prompt": "messages"}
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")  # set by the server itself
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -198,12 +201,14 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest,
-                    default_max_tokens: int | None) -> SamplingParams:
+                    default_max_tokens: int | None, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """Validate and translate the sampling fields; a 400 naming the field on any bad value.
 
     A chat request that sets neither max_tokens nor max_completion_tokens gets `default_max_tokens`,
     and when that is None too, the rest of the context (the engine's max_model_len minus the prompt,
     vLLM's rule). Completions default to OpenAI's 16; `"max_tokens": null` is treated like a chat request's.
+    `model_defaults` (the engine's sampling_defaults: the model's generation_config.json) fill the sampling
+    fields the request leaves unset.
     """
     _refuse_unsupported(request)
     kwargs: dict[str, Any] = {}
@@ -214,6 +219,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
         if isinstance(value, float) and not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number, got {value}", name)
         kwargs[name] = value
+    for name, value in (model_defaults or {}).items():
+        kwargs.setdefault(name, value)
     if request.stop is not None:
         kwargs["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
     if isinstance(request, ChatCompletionRequest):
@@ -235,7 +242,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest,
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
-        raise bad_request(str(error), guess_param(str(error), tuple(kwargs))) from error
+        raise bad_request(str(error), request_field(error)) from error
 
 
 def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -259,13 +266,23 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
                           f"the best {request.n} of {request.best_of} is not supported", "best_of")
 
 
-def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
-    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False)."""
-    kwargs = request.chat_template_kwargs or {}
+def template_kwargs(request: Any) -> dict[str, Any]:
+    """chat_template_kwargs as keyword arguments of the chat template (e.g. enable_thinking=False), and
+    reasoning_effort as the template variable of that name (gpt-oss's); reasoning_effort "none" also sets
+    enable_thinking=False (Qwen3's switch) unless the kwargs set it."""
+    kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
     for name in kwargs:
         if not name.isidentifier() or name in _TEMPLATE_RESERVED:
             raise bad_request(f"chat_template_kwargs cannot set {name!r}", "chat_template_kwargs")
-    return dict(kwargs)
+    effort = request.reasoning_effort
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
+                              "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
+        if effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    return kwargs
 
 
 def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:

@@ -62,9 +62,6 @@ CHAT = (
     Refusal("function_call", _never, "is deprecated and not supported; use tool_choice"),
     Refusal("metadata", _is({}), "is not supported: completions are not stored"),
     Refusal("store", _off, "is not supported: completions are not stored"),
-    Refusal("reasoning_effort", _never, "is not supported"),
-    Refusal("include_reasoning", _never, "is not supported: metrale has no reasoning parser, reasoning stays in "
-                                         "content"),
     Refusal("verbosity", _never, "is not supported"),
     Refusal("web_search_options", _never, "is not supported: metrale has no web search"),
     Refusal("service_tier", _is("auto", "default"), "must be \"auto\" or \"default\""),

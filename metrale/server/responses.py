@@ -1,11 +1,14 @@
 """POST /v1/responses: OpenAI's Responses API over the chat machinery, streamed or not.
 
     body -> ResponsesRequest (responses_protocol.py) -> chat messages, tools, SamplingParams
-         -> engine stream -> output items: a "message" with output_text, and "function_call" items
+         -> engine stream -> output items: a "reasoning" item (the model's <think> text, split by the
+            reasoning parser), a "message" with output_text, and "function_call" items
 
 Streaming sends named SSE events, each with a sequence_number, and no [DONE]:
 
     response.created  response.in_progress
+    per reasoning item: response.output_item.added  response.reasoning_text.delta ...
+                        response.reasoning_text.done  response.output_item.done
     per message item:   response.output_item.added  response.content_part.added
                         response.output_text.delta ...  response.output_text.done
                         response.content_part.done  response.output_item.done
@@ -24,7 +27,7 @@ from typing import Any
 from metrale.engine.protocol import EngineClient
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
-from metrale.server import protocol, tools
+from metrale.server import chat_output, protocol, tools
 from metrale.server import responses_protocol as rp
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.completions import ABORTED, prepare_params
@@ -76,6 +79,11 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text or status != "in_progress" else []}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -83,29 +91,34 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 async def handle(engine: EngineClient, served_model: str, body: bytes, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
-                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
+                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                 reasoning_parser: str | None = None) -> None:
     """Serve one Responses API request; raises APIError for anything refused before the response."""
     request = protocol.decode(body, rp.ResponsesRequest)
     model = protocol.model_or_404(request.model, served_model, model_aliases)
     rp.refuse_unsupported(request)
-    params = rp.sampling_params(request, default_max_tokens)
+    params = rp.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
+    output = chat_output.output_plan(plan, chat_output.reasoning_format(reasoning_parser, engine))
     if plan is not None:
         params = plan.params(params)
+    if output is not None:
+        params = output.params(params)
     await prepare_params(engine, params, "tools" if plan is not None and plan.constrains_output else "text")
     response = _Response(request, model)
     try:
-        messages = tools.template_messages(rp.chat_messages(request))
-        prompt_ids = await engine.chat_token_ids(messages, tools=plan.template_tools if plan is not None else None)
+        messages = tools.template_messages(rp.chat_messages(request), plan, tool_call_format or engine.tool_call_format)
+        prompt_ids = await engine.chat_token_ids(messages, tools=plan.template_tools if plan is not None else None,
+                                                 **rp.template_kwargs(request))
         stream = engine.generate(prompt_ids, params, request_id=request_id or response.id)
     except APIError:
         raise
     except Exception as error:
-        api_error = from_engine_error(error, ("input", "instructions", "max_output_tokens", "temperature", "top_p"))
+        api_error = from_engine_error(error, rp.ENGINE_FIELDS)
         if api_error is None:
             raise
         raise api_error from error
-    tool_stream = plan.stream() if plan is not None else None
+    tool_stream = output.stream(chat_output.prompt_tail(engine, prompt_ids)) if output is not None else None
     respond = _stream_response if request.stream else _full_response
     try:
         await run_until_disconnect(respond(response, tool_stream, stream, send), receive)
@@ -113,7 +126,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
         await stream.aclose()
 
 
-async def _full_response(response: _Response, tool_stream: tools.ToolCallStream | None, stream: Any,
+async def _full_response(response: _Response, tool_stream: chat_output.ToolCallStream | None, stream: Any,
                          send: Send) -> None:
     texts: list[str] = []
     last: RequestOutput | None = None
@@ -127,10 +140,13 @@ async def _full_response(response: _Response, tool_stream: tools.ToolCallStream 
         raise APIError(503, ABORTED, code="aborted")
     text = "".join(texts)
     item_status = _status(last.finish_reason)  # a message cut by max_output_tokens is "incomplete" too
-    content, calls = text, []
+    content, calls, reasoning = text, [], ""
     if tool_stream is not None:
         message = tool_stream.message(text)
         content, calls = message["content"] or "", message.get("tool_calls", [])
+        reasoning = message.get("reasoning_content", "")
+    if reasoning:
+        response.output.append(_reasoning_item(_new_id("rs"), reasoning, item_status))
     if content:
         response.output.append(_message_item(_new_id("msg"), content, item_status))
     for call in calls:
@@ -147,13 +163,35 @@ class _EventStream:
         self.response = response
         self.sequence = 0
         self.message: dict[str, Any] | None = None  # the open message item: id, index, text
+        self.reasoning: dict[str, Any] | None = None  # the open reasoning item: id, index, text
         self.calls: dict[int, dict[str, Any]] = {}  # open function calls by the parser's call index
 
     async def emit(self, kind: str, **fields: Any) -> None:
         await self.sse.named_event(kind, {"type": kind, "sequence_number": self.sequence, **fields})
         self.sequence += 1
 
+    async def reasoning_text(self, delta: str) -> None:
+        if self.reasoning is None:
+            self.reasoning = {"id": _new_id("rs"), "index": len(self.response.output), "text": ""}
+            item = _reasoning_item(self.reasoning["id"], "", "in_progress")
+            self.response.output.append(item)
+            await self.emit("response.output_item.added", output_index=self.reasoning["index"], item=item)
+        self.reasoning["text"] += delta
+        await self.emit("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                        output_index=self.reasoning["index"], content_index=0, delta=delta)
+
+    async def close_reasoning(self, status: str = "completed") -> None:
+        reasoning, self.reasoning = self.reasoning, None
+        if reasoning is None:
+            return
+        await self.emit("response.reasoning_text.done", item_id=reasoning["id"], output_index=reasoning["index"],
+                        content_index=0, text=reasoning["text"])
+        item = _reasoning_item(reasoning["id"], reasoning["text"], status)
+        self.response.output[reasoning["index"]] = item
+        await self.emit("response.output_item.done", output_index=reasoning["index"], item=item)
+
     async def text(self, delta: str) -> None:
+        await self.close_reasoning()
         if self.message is None:
             self.message = {"id": _new_id("msg"), "index": len(self.response.output), "text": ""}
             self.response.output.append(_message_item(self.message["id"], "", "in_progress"))
@@ -181,6 +219,7 @@ class _EventStream:
     async def tool_call(self, call: dict[str, Any]) -> None:
         arguments = call.get("function", {}).get("arguments", "")
         if "id" in call:  # a new call: its name is known
+            await self.close_reasoning()
             await self.close_message()
             state = {"id": _new_id("fc"), "index": len(self.response.output), "call_id": call["id"],
                      "name": call["function"]["name"], "arguments": ""}
@@ -196,6 +235,7 @@ class _EventStream:
 
     async def close_all(self, status: str) -> None:
         """Close the open items with `status` ("completed", or "incomplete" when the output was cut)."""
+        await self.close_reasoning(status)
         await self.close_message(status)
         for state in self.calls.values():
             await self.emit("response.function_call_arguments.done", item_id=state["id"], output_index=state["index"],
@@ -206,7 +246,7 @@ class _EventStream:
         self.calls = {}
 
 
-async def _stream_response(response: _Response, tool_stream: tools.ToolCallStream | None, stream: Any,
+async def _stream_response(response: _Response, tool_stream: chat_output.ToolCallStream | None, stream: Any,
                            send: Send) -> None:
     sse = SSEResponse(send)
     await sse.start()
@@ -221,6 +261,8 @@ async def _stream_response(response: _Response, tool_stream: tools.ToolCallStrea
                 continue  # abort: reported below; error: the stream raises next
             fields = tool_stream.delta(out.text, final=out.finish_reason is not None) if tool_stream is not None \
                 else {"content": out.text}
+            if fields.get("reasoning_content"):
+                await events.reasoning_text(fields["reasoning_content"])
             if fields.get("content"):
                 await events.text(fields["content"])
             for call in fields.get("tool_calls", ()):

@@ -1,7 +1,7 @@
 """POST /v1/responses request bodies: the OpenAI Responses API mapped onto the chat machinery.
 
     input: "text"                         -> [user message]
-    input: [ {role, content}, ...]        -> messages (developer -> system; content a string or
+    input: [ {role, content}, ...]        -> messages (developer as the template renders it; content a string or
                                               input_text / output_text parts)
            {type: function_call, call_id, name, arguments}  -> an assistant turn with tool_calls
            {type: function_call_output, call_id, output}    -> a tool turn
@@ -10,7 +10,7 @@
     tool_choice: "auto" | "none" | "required" | {type: function, name}
     text.format: {type: text | json_object | json_schema (schema)} -> structured outputs
 
-Fields metrale cannot honour (stored responses, previous_response_id, conversation, reasoning,
+Fields metrale cannot honour (stored responses, previous_response_id, conversation,
 background mode, include, truncation "auto", built-in tools) are refused with a 400 naming them.
 """
 
@@ -23,11 +23,14 @@ from typing import Any
 import msgspec
 
 from metrale.sampling_params import SamplingParams
-from metrale.server.errors import bad_request
+from metrale.server import protocol
+from metrale.server.errors import bad_request, request_field
 from metrale.server.protocol import Int64
 from metrale.structured_outputs import StructuredOutputs
 
-_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# The engine's parameter names (an error's `field`) as the Responses API calls them.
+ENGINE_FIELDS = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens", "structured_outputs": "text"}
+_ROLES = {"user": "user", "system": "system", "developer": "developer", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -77,8 +80,10 @@ def refuse_unsupported(request: ResponsesRequest) -> None:
     for name in ("previous_response_id", "conversation", "prompt"):
         if getattr(request, name) is not None:
             raise bad_request(f"{name} is not supported: responses are not kept, send the whole input", name)
-    if request.reasoning:
-        raise bad_request("reasoning is not supported", "reasoning")
+    effort = (request.reasoning or {}).get("effort")
+    if effort is not None and effort not in protocol.REASONING_EFFORTS:
+        raise bad_request(f"reasoning.effort must be one of {', '.join(protocol.REASONING_EFFORTS)}; got {effort!r}",
+                          "reasoning")
     if request.background:
         raise bad_request("background mode is not supported", "background")
     if request.include:
@@ -93,9 +98,24 @@ def refuse_unsupported(request: ResponsesRequest) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
-def sampling_params(request: ResponsesRequest, default_max_tokens: int | None) -> SamplingParams:
+def template_kwargs(request: ResponsesRequest) -> dict[str, Any]:
+    """reasoning.effort as the chat template's reasoning_effort (and "none" as enable_thinking=False)."""
+    effort = (request.reasoning or {}).get("effort")
+    return protocol.template_kwargs(_Effort(effort))
+
+
+@dataclass(frozen=True, slots=True)
+class _Effort:
+    reasoning_effort: str | None
+    chat_template_kwargs: None = None
+
+
+def sampling_params(request: ResponsesRequest, default_max_tokens: int | None,
+                    model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's params; `model_defaults` (the model's generation_config.json) fill what it leaves unset."""
     kwargs: dict[str, Any] = {"max_tokens": request.max_output_tokens if request.max_output_tokens is not None
                               else default_max_tokens}
+    kwargs.update(model_defaults or {})
     for name in ("temperature", "top_p"):
         value = getattr(request, name)
         if value is not None:
@@ -109,8 +129,7 @@ def sampling_params(request: ResponsesRequest, default_max_tokens: int | None) -
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
         message = str(error).replace("max_tokens", "max_output_tokens")
-        param = next((n for n in ("max_output_tokens", "temperature", "top_p") if message.startswith(n)), None)
-        raise bad_request(message, param) from error
+        raise bad_request(message, request_field(error, ENGINE_FIELDS)) from error
 
 
 def _text_format(text: dict[str, Any] | None) -> StructuredOutputs | None:
@@ -159,9 +178,24 @@ def chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         return messages + [{"role": "user", "content": request.input}]
     if not request.input:
         raise bad_request("input must be a non-empty string or list of items", "input")
+    reasoning = ""  # a reasoning item given back: the next assistant turn's reasoning_content
     for index, item in enumerate(request.input):
-        messages.append(_message(index, item))
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            reasoning += _reasoning_text(index, item)
+            continue
+        message = _message(index, item)
+        if reasoning and message["role"] == "assistant":
+            message["reasoning_content"], reasoning = reasoning, ""
+        messages.append(message)
     return messages
+
+
+def _reasoning_text(index: int, item: dict[str, Any]) -> str:
+    """The text of a reasoning item (its reasoning_text content, else its summary)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"input[{index}]: a reasoning item's content and summary are lists of text parts", "input")
+    return "".join(p["text"] for p in parts)
 
 
 def _message(index: int, item: Any) -> dict[str, Any]:

@@ -21,8 +21,6 @@ from metrale.structured_outputs import StructuredOutputs
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-PARAM_NAMES = ("response_format", "structured_outputs", *GUIDED_FIELDS, "logit_bias", "allowed_token_ids",
-               "bad_words")
 
 
 def constraint(request: Any) -> tuple[StructuredOutputs, str] | None:

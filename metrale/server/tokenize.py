@@ -48,7 +48,7 @@ async def handle(engine: EngineClient, served_model: str, path: str, body: bytes
         if len(request.tokens) > engine.max_model_len:
             raise bad_request(f"tokens holds {len(request.tokens)} ids; at most max_model_len "
                               f"({engine.max_model_len}) are decoded", "tokens")
-        with completions.engine_errors():
+        with completions.engine_errors({"prompt": "tokens"}):
             token_ids = await engine.prompt_token_ids(request.tokens)  # checks every id against the vocabulary
         return await send_json(send, 200, {"prompt": engine.decode(token_ids)})
     request = protocol.decode(body, TokenizeRequest)

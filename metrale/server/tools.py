@@ -2,23 +2,27 @@
 
     tool_choice  prompt gets tools   output                                      enforced by
     "none"       no                  plain content
-    "auto"       yes                 content and/or calls in the model's format  (parsed; needs a format)
+    "auto"       yes                 content and/or calls in the model's format  (parsed)
+                                     or, when its template shows none, the generic {"tool_call": ...} |
+                                     {"response": ...} answer (metrale.text.generic_tools)   a JSON-schema grammar
     "required"   yes                 [{"name": ..., "parameters": {...}}, ...]   a JSON-schema grammar
     {"type": "function", "function": {"name": f}}   yes   the arguments of f     f's parameters schema
 
-The model's format comes from its chat template (metrale.text.tool_parsers.detect_format) or the
-server's --tool-call-parser. "required" and named calls follow vLLM's convention, so they work with
-any model. A response with calls has `message.tool_calls` (streamed as OpenAI does: per call a first
-delta with index, id, type and name, then fragments of the arguments' JSON text) and finish_reason
-"tool_calls" ("stop" for a named function, as OpenAI). Assistant turns with `tool_calls` and `tool` turns
+`tools` without `tool_choice` is "auto". The model's format comes from its chat template
+(metrale.text.output_parsing.detect_format) or the server's --tool-call-parser. "required" and named
+calls follow vLLM's convention, so they work with any model. Reasoning (`<think>` ...) is split into
+`reasoning_content` by the parser the template shows or --reasoning-parser names, in front of the
+tool-call parser (metrale.server.chat_output, which also shapes the answer); not when a grammar holds
+the output to a call. Assistant turns with `tool_calls` and `tool` turns
 reach the template with their arguments decoded into objects, as Hugging Face templates expect.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import uuid
-from dataclasses import dataclass, field
+import string
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -26,10 +30,12 @@ import msgspec
 from metrale.sampling_params import SamplingParams
 from metrale.server.errors import bad_request
 from metrale.structured_outputs import StructuredOutputs
-from metrale.text.tool_calls import ParserDelta, ToolCallParser, collect
-from metrale.text.tool_parsers import FORMATS, NamedCallParser, make_parser
+from metrale.text import generic_tools
+from metrale.text.output_parsing import make_parser
+from metrale.text.tool_parsers import NamedCallParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_ALNUM = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +50,8 @@ class ToolPlan:
 
     @property
     def constrains_output(self) -> bool:
-        """"required" and a named function: the output must be a valid call (a grammar enforces it)."""
-        return self.choice in ("required", "named")
+        """"required", a named function and the generic format: a grammar holds the output to its shape."""
+        return self.choice in ("required", "named") or (self.choice == "auto" and self.fmt == "generic")
 
     @property
     def parses_calls(self) -> bool:
@@ -56,94 +62,52 @@ class ToolPlan:
     def template_tools(self) -> list[dict[str, Any]] | None:
         return list(self.tools) if self.choice != "none" and self.tools else None
 
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The generic format tells the model the tools and the answer's shape in the system message."""
+        if self.choice == "auto" and self.fmt == "generic":
+            return generic_tools.with_instructions(messages, generic_tools.instructions(self.tools, self.parallel))
+        return messages
+
     def params(self, params: SamplingParams) -> SamplingParams:
-        """The request's params with the constraint "required" / named need (a 400 if one is already set)."""
-        spec = self._constraint()
+        """The request's params with the constraint "required" / named / generic need (a 400 if one is
+        already set)."""
+        requested = params.structured_outputs
+        spec = self._constraint(_response_schema(requested) if self.fmt == "generic" else None)
         if spec is None:
-            if self.choice == "auto" and self.fmt in ("mistral", "llama3_json") and params.skip_special_tokens:
-                return msgspec.structs.replace(params, skip_special_tokens=False)  # their markers are special
             return params
-        if params.structured_outputs is not None:
+        if requested is not None and not (self.choice == "auto" and self.fmt == "generic"
+                                          and requested.kind in ("json", "json_object")):
             raise bad_request(f"tool_choice {self.choice!r} cannot be combined with response_format, "
                               f"structured_outputs or guided_* fields", "tool_choice")
         return msgspec.structs.replace(params, structured_outputs=spec)
 
-    def stream(self) -> "ToolCallStream | None":
-        """The per-response parser state; None when the output is plain content."""
-        if not self.parses_calls:
-            return None
+    def parser(self) -> Any:
+        """A fresh tool-call parser for one output (a NamedCallParser for a named function)."""
         if self.choice == "named":
-            return ToolCallStream(NamedCallParser(self.named), forced=True)  # type: ignore[arg-type]
-        fmt = "json_list" if self.choice == "required" else self.fmt
-        return ToolCallStream(make_parser(fmt))  # type: ignore[arg-type]
+            return NamedCallParser(self.named)  # type: ignore[arg-type]
+        return make_parser("json_list" if self.choice == "required" else self.fmt, self.tools)  # type: ignore[arg-type]
 
-    def _constraint(self) -> StructuredOutputs | None:
+    def _constraint(self, response: dict[str, Any] | None = None) -> StructuredOutputs | None:
         if self.choice == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.named)
             return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
         if self.choice == "required":
             return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        if self.constrains_output:  # generic
+            try:
+                return StructuredOutputs(json=generic_tools.schema(self.tools, self.parallel, response))
+            except ValueError as error:
+                raise bad_request(str(error), "tools") from error
         return None
 
 
-@dataclass(slots=True)
-class ToolCallStream:
-    """One response's tool-call parsing: text deltas in, OpenAI `delta` fields out."""
-
-    parser: ToolCallParser
-    forced: bool = False  # a named function: finish_reason stays "stop"
-    ids: dict[int, str] = field(default_factory=dict)
-
-    def feed(self, text: str) -> dict[str, Any]:
-        """The chat `delta` fields for a piece of output text ({} when nothing is certain yet)."""
-        return self._fields(self.parser.feed(text))
-
-    def finish(self) -> dict[str, Any]:
-        """The delta fields of what the parser held back until the end."""
-        return self._fields(self.parser.finish())
-
-    def delta(self, text: str, final: bool) -> dict[str, Any]:
-        """`feed`, and with `final` also `finish`, as one chat `delta`."""
-        fields = self.feed(text)
-        if final:
-            for key, value in self.finish().items():
-                fields[key] = fields.get(key, type(value)()) + value  # content: str, tool_calls: list
-        return fields
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        if reason == "stop" and self.ids and not self.forced:
-            return "tool_calls"
-        return reason
-
-    def message(self, text: str) -> dict[str, Any]:
-        """The non-streamed message: the same parser over the whole text."""
-        deltas = [self.parser.feed(text), self.parser.finish()]
-        for delta in deltas:
-            self._fields(delta)  # the call ids, in order
-        parsed = collect(deltas)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.tool_calls:
-            message["content"] = parsed.content if parsed.content.strip() else None
-            message["tool_calls"] = [{"id": self.ids[i], "type": "function",
-                                      "function": {"name": call.name, "arguments": call.arguments}}
-                                     for i, call in enumerate(parsed.tool_calls)]
-        return message
-
-    def _fields(self, delta: ParserDelta) -> dict[str, Any]:
-        fields: dict[str, Any] = {}
-        if delta.content:
-            fields["content"] = delta.content
-        calls = []
-        for call in delta.tool_calls:
-            if call.name is not None:
-                self.ids[call.index] = f"call_{uuid.uuid4().hex[:24]}"
-                calls.append({"index": call.index, "id": self.ids[call.index], "type": "function",
-                              "function": {"name": call.name, "arguments": call.arguments}})
-            else:
-                calls.append({"index": call.index, "function": {"arguments": call.arguments}})
-        if calls:
-            fields["tool_calls"] = calls
-        return fields
+def _response_schema(requested: StructuredOutputs | None) -> dict[str, Any] | None:
+    """The generic format's "response" as response_format asks for it (a JSON schema or any object)."""
+    if requested is None:
+        return None
+    if requested.kind == "json_object":
+        return {"type": "object"}
+    return json.loads(requested.json) if requested.kind == "json" else None
 
 
 def plan(request: Any, model_format: str | None) -> ToolPlan | None:
@@ -157,13 +121,8 @@ def plan(request: Any, model_format: str | None) -> ToolPlan | None:
     parallel = True if request.parallel_tool_calls is None else request.parallel_tool_calls
     names = [t["function"]["name"] for t in tools]
     if choice is None or choice in ("none", "auto", "required"):
-        choice = choice or "auto"
-        if choice == "auto" and model_format is None:
-            raise bad_request("tool_choice \"auto\" needs to know how the model writes tool calls, and its chat "
-                              "template shows none; start the server with --tool-call-parser "
-                              f"({', '.join(f for f in FORMATS if f != 'json_list')}), or use tool_choice "
-                              "\"required\" or a named function", "tool_choice")
-        return ToolPlan(choice, tools, fmt=model_format, parallel=parallel)
+        choice = choice or "auto"  # OpenAI's default when tools are given
+        return ToolPlan(choice, tools, fmt=model_format or "generic", parallel=parallel)
     named = _named_choice(choice)
     if named not in names:
         raise bad_request(f"tool_choice names function {named!r}, which is not in tools ({', '.join(names)})",
@@ -171,21 +130,38 @@ def plan(request: Any, model_format: str | None) -> ToolPlan | None:
     return ToolPlan("named", tools, named=named, parallel=parallel)
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None = None,
+                      model_format: str | None = None) -> list[dict[str, Any]]:
     """Messages for the chat template: assistant tool-call arguments decoded from their JSON text into
-    objects (as Hugging Face templates expect them); a 400 on malformed tool calls."""
+    objects (as Hugging Face templates expect them), the generic format's instructions added, and for
+    Mistral's templates call ids made the 9 letters and digits they insist on; a 400 on malformed tool calls."""
     out = []
+    short_ids = model_format == "mistral"
     for index, message in enumerate(messages):
         calls = message.get("tool_calls")
         if calls is not None:
             if message.get("role") != "assistant" or not isinstance(calls, list):
                 raise bad_request(f"messages[{index}].tool_calls must be a list on an assistant message",
                                   "messages")
-            message = {**message, "tool_calls": [_decoded_call(index, j, call) for j, call in enumerate(calls)]}
-        if message.get("role") == "tool" and not isinstance(message.get("tool_call_id"), (str, type(None))):
-            raise bad_request(f"messages[{index}].tool_call_id must be a string", "messages")
+            calls = [_decoded_call(index, j, call) for j, call in enumerate(calls)]
+            if short_ids:
+                calls = [{**call, "id": mistral_id(call.get("id"))} for call in calls]
+            message = {**message, "tool_calls": calls}
+        if message.get("role") == "tool":
+            if not isinstance(message.get("tool_call_id"), (str, type(None))):
+                raise bad_request(f"messages[{index}].tool_call_id must be a string", "messages")
+            if short_ids:
+                message = {**message, "tool_call_id": mistral_id(message.get("tool_call_id"))}
         out.append(message)
-    return out
+    return plan.messages(out) if plan is not None else out
+
+
+def mistral_id(call_id: Any) -> Any:
+    """A call id as Mistral's templates want it (9 letters and digits): kept when it is, else a stable hash."""
+    if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isalnum() and call_id.isascii()):
+        return call_id
+    digest = hashlib.sha256(call_id.encode()).digest()
+    return "".join(_ALNUM[byte % len(_ALNUM)] for byte in digest[:9])
 
 
 def required_schema(tools: tuple[dict[str, Any], ...], parallel: bool) -> dict[str, Any]:

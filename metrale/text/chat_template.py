@@ -9,6 +9,7 @@ tokens (bos_token, eos_token, ...) as variables. Each distinct template source i
 
 Messages are validated before rendering (ValueError naming the message and the field), and
 content given as a list of text parts is joined with newlines (as vLLM does for text-only models).
+A `developer` message is rendered as the template's developer turn when it names one, else as system.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from jinja2 import nodes
+from jinja2.exceptions import UndefinedError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-ROLES = ("system", "user", "assistant", "tool")
+from metrale.errors import InvalidMessagesError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 CHATML = """{%- for message in messages %}
 {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
@@ -126,6 +130,8 @@ class ChatTemplate:
         self.name = name
         self.special_tokens = {**(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token}
         self._template = _compile(source)
+        # a template that names the developer role renders it (gpt-oss); others get it as system
+        self.has_developer_role = "'developer'" in source or '"developer"' in source
 
     @classmethod
     def builtin(cls, name: str, *, bos_token: str | None = None, eos_token: str | None = None) -> "ChatTemplate":
@@ -155,23 +161,30 @@ class ChatTemplate:
         already holds any bos token the template prints: encode it without adding special tokens.
         """
         checked = validate_messages(messages)
+        if not self.has_developer_role:  # OpenAI's newer name for the system turn
+            checked = [{**m, "role": "system"} if m["role"] == "developer" else m for m in checked]
         variables = {**self.special_tokens, **kwargs}
-        return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                     tools=list(tools) if tools is not None else None, **variables)
+        try:
+            return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
+                                         tools=list(tools) if tools is not None else None, **variables)
+        except UndefinedError as error:  # the template reads a field the request left out (a tool's description)
+            raise ChatTemplateError(f"chat template: {error} (a field it reads is missing from the messages "
+                                    f"or tools)") from error
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Check roles and content; return copies whose content is a string (text parts joined by "\\n")."""
+    """Check roles and content; return copies whose content is a string (text parts joined by "\\n").
+    InvalidMessagesError (a ValueError, field "messages") names the message at fault."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        raise InvalidMessagesError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     checked = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be an object with 'role' and 'content', "
+            raise InvalidMessagesError(f"messages[{index}] must be an object with 'role' and 'content', "
                              f"got {type(message).__name__}")
         role = message.get("role")
         if role not in ROLES:
-            raise ValueError(f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}")
+            raise InvalidMessagesError(f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}")
         entry = dict(message)
         entry["content"] = _content_text(index, role, message)
         checked.append(entry)
@@ -203,11 +216,11 @@ def _content_text(index: int, role: str, message: Mapping[str, Any]) -> str:
         texts = []
         for part_index, part in enumerate(content):
             if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValueError(f"messages[{index}].content[{part_index}] must be "
+                raise InvalidMessagesError(f"messages[{index}].content[{part_index}] must be "
                                  f"{{'type': 'text', 'text': <string>}}; only text parts are supported")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise ValueError(f"messages[{index}].content must be a string or a list of text parts, "
+    raise InvalidMessagesError(f"messages[{index}].content must be a string or a list of text parts, "
                      f"got {type(content).__name__}")
 
 

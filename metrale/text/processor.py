@@ -74,7 +74,8 @@ class InputProcessor:
                           ("bad_words_token_ids", [t for seq in params.bad_words_token_ids for t in seq])):
             bad = sorted({t for t in ids if t >= self.vocab_size})
             if bad:
-                raise InvalidTokenIdError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+                raise InvalidTokenIdError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                                          field=name)
         if not params.bad_words:
             return params
         sequences = bad_words_token_ids(self.tokenizer, params.bad_words)

@@ -28,10 +28,11 @@ class ToolCallDelta:
 
 @dataclass(slots=True)
 class ParserDelta:
-    """What one `feed` (or `finish`) adds: content text and tool-call deltas."""
+    """What one `feed` (or `finish`) adds: content text, reasoning text and tool-call deltas."""
 
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class ToolCall:
 class ParsedOutput:
     content: str
     tool_calls: tuple[ToolCall, ...]
+    reasoning: str = ""
 
 
 class CallScanner:
@@ -123,6 +125,7 @@ class ToolCallParser:
         self._call: CallScanner | None = None
         self._num_calls = 0
         self._drop_whitespace = False  # after a call: whitespace before the next content is dropped
+        self._args: ArgumentsScanner | None = None  # the arguments of a call named up front
 
     def feed(self, text: str) -> ParserDelta:
         """The next piece of the output; returns what it makes certain."""
@@ -172,8 +175,57 @@ class ToolCallParser:
         self._buffer = self._buffer[len(self._buffer) - keep:]
         return False
 
+    def _take_until(self, marker: str) -> str | None:
+        """The text before `marker`, consuming both; None (nothing consumed) until the marker is there."""
+        at = self._buffer.find(marker)
+        if at < 0:
+            return None
+        taken, self._buffer = self._buffer[:at], self._buffer[at + len(marker):]
+        return taken
+
+    def _expect(self, literal: str, skip_whitespace: bool = True) -> bool | None:
+        """Consume `literal` if the buffer starts with it (True); None: maybe, wait; False: it does not."""
+        if skip_whitespace and not self._skip_whitespace():
+            return None
+        if self._buffer.startswith(literal):
+            self._buffer = self._buffer[len(literal):]
+            return True
+        return None if literal.startswith(self._buffer) else False
+
     def _start_call(self) -> None:
         self._call = CallScanner(self._num_calls)
+
+    def _name(self, name: str, out: ParserDelta) -> None:
+        """A call whose name is known up front (its arguments follow as _arguments / _push_arguments)."""
+        out.tool_calls.append(ToolCallDelta(self._num_calls, name=name))
+        self._args = ArgumentsScanner()
+
+    def _arguments(self, text: str, out: ParserDelta) -> None:
+        out.tool_calls.append(ToolCallDelta(self._num_calls, arguments=text))
+
+    def _end_call(self) -> None:
+        self._num_calls += 1
+        self._drop_whitespace = True
+
+    def _push_arguments(self, out: ParserDelta) -> bool | None:
+        """Stream the buffered arguments object of a named call; None: it wants more, True: complete,
+        False: not a JSON object (the call gets "{}"; the text stays in the buffer)."""
+        scanner = self._args
+        assert scanner is not None
+        consumed, started_before = 0, scanner.started
+        for char in self._buffer:
+            if scanner.done or not scanner.push(char):
+                break
+            consumed += 1
+        taken, self._buffer = self._buffer[:consumed], self._buffer[consumed:]
+        if scanner.started:
+            self._arguments(taken if started_before else taken.lstrip(_WHITESPACE), out)
+        if scanner.failed:
+            self._arguments("{}", out)
+        if scanner.failed or scanner.done:
+            self._end_call()
+            return scanner.done
+        return None
 
     def _push_call(self, out: ParserDelta) -> bool | None:
         """Feed buffered text to the current call; None: it wants more, True: a call, False: not a call."""
@@ -202,6 +254,40 @@ class ToolCallParser:
         return bool(self._buffer)
 
 
+class ArgumentsScanner:
+    """One call's arguments object, character by character: `push` says whether the character belongs to it."""
+
+    __slots__ = ("depth", "in_string", "escape", "started", "done", "failed")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escape = self.started = self.done = self.failed = False
+
+    def push(self, char: str) -> bool:
+        if not self.started:
+            if char in _WHITESPACE:
+                return True
+            if char != "{":
+                self.failed = True
+                return False
+            self.started = True
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif char == "\\":
+                self.escape = True
+            elif char == '"':
+                self.in_string = False
+        elif char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+            self.done = self.depth == 0
+        return True
+
+
 def collect(deltas: list[ParserDelta]) -> ParsedOutput:
     """Add up streamed deltas into the content and the complete calls."""
     names: dict[int, str] = {}
@@ -212,7 +298,7 @@ def collect(deltas: list[ParserDelta]) -> ParsedOutput:
                 names[call.index] = call.name
             arguments.setdefault(call.index, []).append(call.arguments)
     calls = tuple(ToolCall(names[i], "".join(arguments.get(i, []))) for i in sorted(names))
-    return ParsedOutput("".join(d.content for d in deltas), calls)
+    return ParsedOutput("".join(d.content for d in deltas), calls, "".join(d.reasoning for d in deltas))
 
 
 def merged(out: ParserDelta) -> ParserDelta:

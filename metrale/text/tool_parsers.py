@@ -3,8 +3,12 @@
     hermes        Qwen 2.5/3, Hermes, many fine-tunes:
                   text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
     llama3_json   Llama 3.1+ with JSON tools: [<|python_tag|>]{"name": ..., "parameters": {...}}; {...}
-                  (a tool call only when the output starts with the object)
+                  (a tool call only when the output starts with the object), and Llama 3.1's built-in
+                  tools: <|python_tag|>brave_search.call(query="...") (read when the output ends)
     mistral       Mistral v0.3 / Nemo: text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+                  Mistral Small 3.2 / Devstral / Magistral (v11+): text [TOOL_CALLS]name[ARGS]{...}
+                  (also name[CALL_ID]id[ARGS]{...}), one marker per call
+    granite       Granite 3.x: text <|tool_call|>[{"name": ..., "arguments": {...}}, ...]
     json_list     [{"name": ..., "parameters": {...}}, ...]: what tool_choice "required" makes any model
                   write (vLLM's convention; the grammar enforces it)
     NamedCallParser   the whole output is the arguments of one named call (tool_choice naming a function)
@@ -13,18 +17,23 @@ A parser takes the output text as it streams (`feed`, split anywhere, even insid
 character escape) and returns what can be said so far: content text, and tool-call deltas in OpenAI's
 streaming shape (a call's first delta carries its name, later ones fragments of its arguments' JSON
 text, exactly as generated). `finish()` releases what was held back. `parse_tool_calls` runs the same
-parser over a whole text, so a stream's deltas always add up to the non-streamed result. An object
+parser over a whole text (metrale.text.output_parsing, which also picks the format), so a stream's deltas always add up to the non-streamed result. An object
 that turns out not to be a call (no "name", not JSON) before its name was known is given back as content.
 """
 
 from __future__ import annotations
 
-from metrale.text.tool_calls import (ParsedOutput, ParserDelta, ToolCallDelta, ToolCallParser, collect, merged)
+import ast
+import json
+import re
 
-__all__ = ["FORMATS", "HermesParser", "JsonListParser", "Llama3JsonParser", "MistralParser", "NamedCallParser",
-           "ParsedOutput", "ParserDelta", "ToolCallDelta", "ToolCallParser", "detect_format", "make_parser",
-           "parse_tool_calls"]
+from metrale.text.tool_calls import (ParsedOutput, ParserDelta, ToolCallDelta, ToolCallParser, merged,
+                                     partial_suffix)
+
+__all__ = ["GraniteParser", "HermesParser", "JsonListParser", "Llama3JsonParser", "MistralParser",
+           "NamedCallParser", "ParsedOutput", "ParserDelta", "ToolCallDelta", "ToolCallParser"]
 _WHITESPACE = " \t\r\n"
+_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
 class HermesParser(ToolCallParser):
@@ -70,12 +79,16 @@ class Llama3JsonParser(ToolCallParser):
         while True:
             if self._mode == "start":
                 head = self._buffer.lstrip(_WHITESPACE)
-                if head.startswith(self.TAG):
+                tagged = head.startswith(self.TAG)
+                if tagged:
                     head = head[len(self.TAG):].lstrip(_WHITESPACE)
                 elif self.TAG.startswith(head) and head:
                     return  # maybe the tag
                 if not head:
                     return
+                if head[0] != "{" and tagged:  # a built-in tool: <|python_tag|>brave_search.call(query="...")
+                    self._mode = "builtin"
+                    continue
                 if head[0] != "{":
                     self._mode = "content_only"
                     continue
@@ -100,14 +113,50 @@ class Llama3JsonParser(ToolCallParser):
                     return
                 self._mode = "call"
                 self._start_call()
+            elif self._mode == "builtin":  # held until the end: the whole output is the call
+                return
             else:  # content_only: no (more) calls
                 self._content(self._buffer, out)
                 self._buffer = ""
                 return
 
+    def finish(self) -> ParserDelta:
+        if self._mode != "builtin":
+            return super().finish()
+        out = ParserDelta()
+        code = self._buffer.strip(_WHITESPACE).removeprefix(self.TAG)
+        call = builtin_call(code)
+        if call is None:
+            self._content(self._buffer, out)
+        else:
+            out.tool_calls.append(ToolCallDelta(0, name=call[0], arguments=call[1]))
+        self._buffer, self._mode = "", "content_only"
+        return out
+
+
+def builtin_call(code: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of Llama 3.1's built-in tool call `name.call(key="value", ...)`, else None."""
+    try:
+        node = ast.parse(code.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "call"
+            and isinstance(node.func.value, ast.Name) and not node.args):
+        return None
+    try:
+        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+    except ValueError:
+        return None
+    return node.func.value.id, json.dumps(arguments, ensure_ascii=False)
+
 
 class MistralParser(ToolCallParser):
+    """Both Mistral formats: [TOOL_CALLS][{...}, ...] (v3 tokenizers) and, from v11 on,
+    [TOOL_CALLS]name[ARGS]{...} (or name[CALL_ID]id[ARGS]{...}), one marker per call."""
+
     MARKER = "[TOOL_CALLS]"
+    NAMED_CALLS = True  # v11's name[ARGS]{...} after the marker
+    ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
 
     def _opening(self) -> str:
         return self.MARKER + "[" if self._num_calls == 0 else ""
@@ -121,15 +170,25 @@ class MistralParser(ToolCallParser):
                 if not self._content_until(self.MARKER, out):
                     return
                 self._mode = "list"
-            elif self._mode == "list":  # expect '['
-                if not self._skip_whitespace():
+            elif self._mode == "list":  # expect '[' (v3) or, right after the marker, a function name (v11)
+                head = self._buffer.lstrip(_WHITESPACE)
+                if not head:
                     return
-                if self._buffer[0] != "[":
+                if head[0] == "[":
+                    self._buffer = head[1:]
+                    self._mode = "item"
+                elif self.NAMED_CALLS and head == self._buffer:
+                    self._mode = "name"
+                else:  # not a call: the marker and what follows are text
                     self._not_a_list(out)
                     self._mode = "content"
-                    continue
-                self._buffer = self._buffer[1:]
-                self._mode = "item"
+            elif self._mode == "name":
+                if not self._named_call(out):
+                    return
+            elif self._mode == "arguments":
+                if self._push_arguments(out) is None:
+                    return
+                self._mode = "content"
             elif self._mode == "item":
                 if not self._skip_whitespace():
                     return
@@ -146,9 +205,41 @@ class MistralParser(ToolCallParser):
                 char, self._buffer = self._buffer[0], self._buffer[1:]
                 self._mode = "item" if char == "," else "content"
 
+    def _named_call(self, out: ParserDelta) -> bool:
+        """v11: name[ARGS] or name[CALL_ID]id[ARGS]; False: wait for more text."""
+        ends = [at for at in (self._buffer.find(self.ARGS), self._buffer.find(self.CALL_ID)) if at >= 0]
+        at = min(ends) if ends else -1
+        keep = max(partial_suffix(self._buffer, self.ARGS), partial_suffix(self._buffer, self.CALL_ID))
+        name = self._buffer[:at] if at >= 0 else self._buffer[:len(self._buffer) - keep]
+        if not _NAME.fullmatch(name or "a"):  # not a name: the marker was text
+            self._not_a_list(out)
+            self._mode = "content"
+            return True
+        if at < 0:
+            return False
+        rest = self._buffer[at:]
+        if rest.startswith(self.CALL_ID):
+            end = rest.find(self.ARGS)
+            if end < 0:
+                return False
+            rest = rest[end:]
+        self._buffer = rest[len(self.ARGS):]
+        self._name(name, out)
+        self._mode = "arguments"
+        return True
+
+
+class GraniteParser(MistralParser):
+    """Granite 3.x: text <|tool_call|>[{"name": ..., "arguments": {...}}, ...]."""
+
+    MARKER = "<|tool_call|>"
+    NAMED_CALLS = False
+
 
 class JsonListParser(MistralParser):
     """A JSON list of calls from the first character on (tool_choice "required")."""
+
+    NAMED_CALLS = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -179,33 +270,3 @@ class NamedCallParser(ToolCallParser):
 
     def finish(self) -> ParserDelta:
         return self.feed("") if self._mode == "content" else ParserDelta()
-
-
-FORMATS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                            "mistral": MistralParser, "json_list": JsonListParser}
-
-
-def make_parser(fmt: str) -> ToolCallParser:
-    """A fresh streaming parser for `fmt` (one of FORMATS)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown tool call format {fmt!r}; choose one of {sorted(FORMATS)}")
-    return FORMATS[fmt]()
-
-
-def detect_format(chat_template: str | None) -> str | None:
-    """The tool call format a chat template teaches its model, or None when it shows no tool calls."""
-    if not chat_template:
-        return None
-    if "<tool_call>" in chat_template:
-        return "hermes"
-    if "[TOOL_CALLS]" in chat_template:
-        return "mistral"
-    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
-        return "llama3_json"
-    return None
-
-
-def parse_tool_calls(fmt: str, text: str) -> ParsedOutput:
-    """A whole output's content and tool calls (the same parser as streaming, fed at once)."""
-    parser = make_parser(fmt)
-    return collect([parser.feed(text), parser.finish()])

@@ -117,13 +117,14 @@ async def engine_scenario(model: str, kv_bytes: int) -> dict:
 async def rank_dies_scenario(model: str, how: str) -> dict:
     from metrale import AsyncEngine, EngineConfig, SamplingParams
     from metrale.errors import EngineDeadError, RequestFailedError
-    from tests.metrale.engine_helpers import assert_clean
+    from tests.metrale.engine_helpers import Runners, assert_clean
 
     config = EngineConfig(model=model, tensor_parallel_size=2, kv_cache_bytes=4 << 20, block_size=BLOCK_SIZE,
                           max_model_len=512)
-    engine = AsyncEngine(config)
+    runners = Runners()
+    engine = AsyncEngine(config, runner_factory=runners)
     await engine.start()
-    follower = engine._group._followers[0]
+    follower = runners.runner.group.followers[0]
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     streams = [engine.generate([5 + i, 6, 7], params) for i in range(3)]
     outcomes = []

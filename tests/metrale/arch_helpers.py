@@ -41,6 +41,34 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 256,
         "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
     },
+    "gemma2": {
+        "model_type": "gemma2", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 101,
+        "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 8.0, "sliding_window": 4096, "max_position_embeddings": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+    },
+    "phi3": {
+        **TINY_LLAMA, "model_type": "phi3", "tie_word_embeddings": False, "rope_scaling": None,
+        "original_max_position_embeddings": 256, "sliding_window": None,
+    },
+    "ministral3": {
+        **TINY_LLAMA, "model_type": "ministral3", "head_dim": 16, "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+        },
+    },
+    "qwen3_moe": {
+        **TINY_LLAMA, "model_type": "qwen3_moe", "head_dim": 16, "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "sliding_window": None,
+        "use_sliding_window": False,
+    },
+    "mixtral": {
+        **TINY_LLAMA, "model_type": "mixtral", "tie_word_embeddings": False, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "intermediate_size": 32, "rope_theta": 1_000_000.0,
+    },
 }
 TOKENIZER_CONFIG = {
     "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|endoftext|>",
@@ -59,7 +87,9 @@ def reference_model(config_dict: Mapping[str, Any], seed: int = 0) -> Any:
         for name, value in tree_flatten(model.parameters())
         if not (config_dict.get("tie_word_embeddings") and name.startswith("lm_head."))
     }
-    model.load_weights(list(model.sanitize(params).items()), strict=True)  # gemma3's sanitize drops its lm_head
+    if hasattr(type(model), "sanitize"):  # gemma3's drops its lm_head (gemma2 has none)
+        params = model.sanitize(params)
+    model.load_weights(list(params.items()), strict=True)
     mx.eval(model.parameters())
     return model
 

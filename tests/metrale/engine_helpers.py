@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
+
+from metrale.engine.runner import ModelRunner
+from metrale.engine.startup import RunnerKeeper
 
 def assert_clean(engine) -> None:
     """The KV integrity check: nothing running or waiting, every block free, accounting consistent."""
@@ -18,7 +23,7 @@ async def wait_idle(engine, timeout_s: float = 30.0) -> None:
     """Wait until the engine has finished every request (aborts land at a step boundary)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while engine.stats().running or engine.stats().waiting or engine._core.num_unfinished:
+    while (stats := engine.stats()).running or stats.waiting or stats.requests_unfinished:
         if loop.time() > deadline:
             pytest.fail(f"engine not idle after {timeout_s} s: {engine.stats()}")
         await asyncio.sleep(0.01)
@@ -32,3 +37,34 @@ async def collect(stream) -> tuple[list[int], str, str | None]:
         text.append(out.text)
         finish = out.finish_reason
     return ids, "".join(text), finish
+
+
+class HookedRunner(ModelRunner):
+    """The real runner; `hook(step)`, when set, runs first in each step on the MLX thread: raise there
+    to fail the step, wait there to hold it."""
+
+    hook: Callable[[object], None] | None = None
+
+    def execute(self, step):
+        hook = self.hook
+        if hook is not None:
+            hook(step)
+        return super().execute(step)
+
+
+class Runners(RunnerKeeper):
+    """A runner factory for AsyncEngine / LLM(runner_factory=...) that builds HookedRunners and keeps the last
+    one (`runner`), so that tests reach the runner here and never through the engine."""
+
+    def __init__(self) -> None:
+        super().__init__(HookedRunner.from_loaded)
+
+    @contextlib.contextmanager
+    def hooked(self, hook: Callable[[object], None]) -> Iterator[HookedRunner]:
+        """Run `hook` before every step of the runner until the block ends."""
+        runner = self.runner
+        runner.hook = hook
+        try:
+            yield runner
+        finally:
+            runner.hook = None

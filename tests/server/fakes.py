@@ -42,6 +42,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.live: dict[str, asyncio.Task] = {}
         self.tool_call_format: str | None = None
+        self.reasoning_format: str | None = None
+        self.sampling_defaults: dict[str, Any] = {}
         self.prepared: list[SamplingParams] = []
         self.chat_tools: list = []
         self.template_kwargs: list[dict] = []

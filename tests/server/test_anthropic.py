@@ -217,3 +217,24 @@ async def test_a_parsed_tool_call_is_a_tool_use_block_streamed_and_not():
         assert (message.content[1].name, message.content[1].input) == ("get_weather", {"city": "Oslo"})
         assert message.stop_reason == "tool_use"
     assert kinds.count("content_block_start") == 2 and kinds.count("content_block_stop") == 2
+
+
+THINKING = ("<think>", "\nAdd", " them.\n", "</think>", "\n\n", "It is", " 4.")
+
+
+async def test_reasoning_is_a_thinking_block_first_streamed_and_not():
+    engine = WordEngine(words=THINKING)
+    engine.reasoning_format = "think"
+    kwargs = dict(model="fake-model", max_tokens=len(THINKING), messages=[{"role": "user", "content": "2+2?"}])
+    async with client_for(ServerApp(engine, manage_engine=False)) as client:
+        full = await client.messages.create(**kwargs)
+        async with client.messages.stream(**kwargs) as stream:
+            deltas = [event.delta.type async for event in stream if event.type == "content_block_delta"]
+            streamed = await stream.get_final_message()
+    for message in (full, streamed):
+        assert [b.type for b in message.content] == ["thinking", "text"]
+        assert (message.content[0].thinking, message.content[1].text.strip()) == ("\nAdd them.\n", "It is 4.")
+    assert set(deltas) == {"thinking_delta", "text_delta"}
+    async with client_for(ServerApp(engine, manage_engine=False, reasoning_parser="none")) as client:
+        plain = await client.messages.create(**kwargs)
+    assert [b.type for b in plain.content] == ["text"] and "<think>" in plain.content[0].text

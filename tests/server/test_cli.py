@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from metrale.config import EngineConfig
+from metrale.settings import RuntimeSettings
 from metrale.server.cli import add_serve_parser, engine_config
 
 
@@ -34,7 +35,9 @@ def test_flags_map_onto_engine_config():
 
 def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("METRALE_API_KEY", "from-env")
-    assert _parse().api_key == "from-env"
+    assert _parse().api_key is None  # the flag's default; the settings fall back to the variable
+    assert RuntimeSettings.resolve(api_key=_parse().api_key).api_key == "from-env"
+    assert RuntimeSettings.resolve(api_key=_parse("--api-key", "flag").api_key).api_key == "flag"
 
 
 def test_bad_engine_values_are_refused():

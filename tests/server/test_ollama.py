@@ -170,3 +170,20 @@ async def test_a_tool_call_in_the_answer_is_a_whole_ollama_tool_call(stream):
     calls = [call for part in parts for call in part.message.tool_calls or ()]
     assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
     assert "".join(p.message.content for p in parts).strip() == "Sure."
+
+
+THINKING = ("<think>", "\nAdd", " them.\n", "</think>", "\n\n", "It is", " 4.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_reasoning_is_message_thinking(stream):
+    engine = WordEngine(words=THINKING)
+    engine.reasoning_format = "think"
+    client = client_for(ServerApp(engine, manage_engine=False))
+    kwargs = dict(model="fake-model", messages=[{"role": "user", "content": "2+2?"}],
+                  options={"num_predict": len(THINKING)})
+    parts = [p async for p in await client.chat(stream=True, **kwargs)] if stream else [await client.chat(**kwargs)]
+    assert "".join(p.message.thinking or "" for p in parts) == "\nAdd them.\n"
+    assert "".join(p.message.content for p in parts).strip() == "It is 4."
+    generated = await client.generate(model="fake-model", prompt="2+2?", options={"num_predict": len(THINKING)})
+    assert (generated.thinking, generated.response.strip()) == ("\nAdd them.\n", "It is 4.")

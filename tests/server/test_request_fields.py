@@ -24,6 +24,7 @@ from tests.server.fakes import FakeEngine, call
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 APP, SURFACE, STRUCT = "tests/server/test_app.py", "tests/server/test_surface.py", "tests/server/test_structured_app.py"
 CLIENT, TOOLS = "tests/server/test_openai_client.py", "tests/server/test_tools_openai.py"
+REASONING = "tests/server/test_reasoning.py"
 PASSTHROUGH = f"{APP}::test_extra_sampling_fields_reach_sampling_params"
 
 
@@ -82,7 +83,7 @@ CHAT_OPENAI = {
     "function_call": refused("auto"),
     "metadata": refused({"k": "v"}),
     "store": refused(True),
-    "reasoning_effort": refused("low"),
+    "reasoning_effort": honoured(f"{REASONING}::test_reasoning_effort_and_template_kwargs_reach_the_template"),
     "verbosity": refused("low"),
     "web_search_options": refused({}),
     "service_tier": refused("flex"),
@@ -137,8 +138,8 @@ CHAT_VLLM = {
     "documents": refused([{"text": "d"}]),
     "chat_template": refused("{{ messages }}"),
     "mm_processor_kwargs": refused({}),
-    "include_reasoning": refused(False),
-    "reasoning_effort": refused("low"),
+    "include_reasoning": honoured(f"{REASONING}::test_include_reasoning_false_and_reasoning_parser_none_keep_it_out"),
+    "reasoning_effort": honoured(f"{REASONING}::test_reasoning_effort_and_template_kwargs_reach_the_template"),
 }
 ENDPOINTS = {COMPLETIONS: ({**COMPLETION_OPENAI, **COMPLETION_VLLM}, CompletionRequest, completion_create_params),
              CHAT: ({**CHAT_OPENAI, **CHAT_VLLM}, ChatCompletionRequest, chat_create_params)}

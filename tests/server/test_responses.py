@@ -133,7 +133,7 @@ async def test_function_call_outputs_are_accepted_as_input(client, engine):
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"), ({"background": True}, "background"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"), ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"), ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools"), ({"temperature": 5}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"), ({"input": []}, "input"),

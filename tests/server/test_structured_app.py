@@ -78,7 +78,6 @@ async def test_token_mask_fields_reach_the_params(app, engine):
     (CHAT, {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not in tools"),
     (CHAT, {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "must be"),
-    (CHAT, {"tools": [WEATHER]}, "tool_choice", "--tool-call-parser"),  # auto, and the template shows no format
     (CHAT, {"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "twice"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}], "tool_choice": "required"},
      "tools", "parameters"),

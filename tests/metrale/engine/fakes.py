@@ -69,7 +69,7 @@ class FakeEngine:
                                  max_model_len=max_model_len, block_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching)
         kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-        self.failpoints = Failpoints.from_env(failpoints, seed=0)
+        self.failpoints = Failpoints.from_spec(failpoints, seed=0)
         self.runner = runner if runner is not None else FakeRunner()
         self.runner.failpoints = self.failpoints
         self.metrics = EngineMetrics(CollectorRegistry(), model_name="fake")

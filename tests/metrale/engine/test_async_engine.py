@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from metrale import AsyncEngine, EngineConfig, RequestFailedError, SamplingParams
-from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
+from tests.metrale.engine_helpers import Runners, assert_clean, collect, wait_idle
 
 pytestmark = [pytest.mark.real_model, pytest.mark.both_loops, pytest.mark.asyncio(loop_scope="module")]
 
@@ -20,10 +20,15 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def runners() -> Runners:
+    return Runners()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine():
+async def engine(runners):
     config = EngineConfig(kv_cache_bytes=256 << 20, max_num_seqs=64, max_num_batched_tokens=512)
-    async with AsyncEngine(config) as eng:
+    async with AsyncEngine(config, runner_factory=runners) as eng:
         yield eng
 
 
@@ -108,44 +113,40 @@ async def _break_after_one(stream):
     return "break"
 
 
-async def test_transient_step_failure_fails_nobody_and_changes_no_token(engine, monkeypatch):
+async def test_transient_step_failure_fails_nobody_and_changes_no_token(engine, runners):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     clean = await asyncio.gather(*(collect(engine.generate(p, params)) for p in PROMPTS[:4]))
-    real_execute = engine._runner.execute
     calls = {"n": 0}
 
-    def failing_execute(step):
+    def fail_the_second_step(step):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected forward failure")
-        return real_execute(step)
 
-    monkeypatch.setattr(engine._runner, "execute", failing_execute)
-    results = await asyncio.gather(*(collect(engine.generate(p, params)) for p in PROMPTS[:4]))
+    with runners.hooked(fail_the_second_step):
+        results = await asyncio.gather(*(collect(engine.generate(p, params)) for p in PROMPTS[:4]))
     assert calls["n"] > 2 and results == clean  # the failed step was retried in halves
     await wait_idle(engine)
     assert_clean(engine)
     assert engine.health() == "serving"
 
 
-async def test_deterministic_culprit_fails_alone_the_others_are_exact(engine, monkeypatch):
+async def test_deterministic_culprit_fails_alone_the_others_are_exact(engine, runners):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     clean = await asyncio.gather(*(collect(engine.generate(p, params)) for p in PROMPTS[:4]))
-    real_execute = engine._runner.execute
 
-    def failing_execute(step):
+    def fail_the_culprit(step):
         if any(s.request_id == "culprit" for s in step.scheduler_output.scheduled):
             raise RuntimeError("injected forward failure")
-        return real_execute(step)
 
-    monkeypatch.setattr(engine._runner, "execute", failing_execute)
-    streams = [engine.generate(p, params, request_id="culprit" if i == 1 else None) for i, p in enumerate(PROMPTS[:4])]
-    results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+    with runners.hooked(fail_the_culprit):
+        streams = [engine.generate(p, params, request_id="culprit" if i == 1 else None)
+                   for i, p in enumerate(PROMPTS[:4])]
+        results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
     assert isinstance(results[1], RequestFailedError) and "injected forward failure" in str(results[1])
     assert [results[i] for i in (0, 2, 3)] == [clean[i] for i in (0, 2, 3)]
     await wait_idle(engine)
     assert_clean(engine)
-    monkeypatch.setattr(engine._runner, "execute", real_execute)
     again = await collect(engine.generate(PROMPTS[1], params))  # its prompt's cached blocks were not poisoned
     assert again == clean[1]
     assert_clean(engine)

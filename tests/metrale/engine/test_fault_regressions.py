@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import threading
 
 import pytest
 
 from metrale import AsyncEngine, EngineConfig, EngineDeadError, RequestFailedError, SamplingParams
-from metrale.engine import async_engine, core as core_module
+from metrale.engine import async_engine, core as core_module, submission
+from metrale.engine.stream import RequestStream
 from metrale.errors import PromptTooLongError
-from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
+from tests.metrale.engine.fakes import EOS, FakeEngine
+from tests.metrale.engine_helpers import Runners, assert_clean, collect, wait_idle
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.both_loops]
 
@@ -43,28 +46,39 @@ async def test_an_output_fault_in_the_first_request_never_hangs_the_others(tiny_
         assert_clean(engine)
 
 
-async def test_ending_every_stream_survives_a_final_delta_that_raises(tiny_model):
-    async with AsyncEngine(config(tiny_model)) as engine:
-        streams = [engine.generate([4 + i] + PROMPT, LONG) for i in range(6)]
-        await asyncio.sleep(0)  # queued, not yet stepped
-        class BrokenText:
-            def flush(self):
-                raise UnicodeError("flush broke")
+class BrokenText:
+    """A request's text front-end whose final flush raises (the request is never stepped)."""
 
-        engine._core.states[streams[0].request_id]._text = BrokenText()
-        engine._core.die(RuntimeError("simulated engine fault"))
+    def push(self, token_ids, final):
+        raise AssertionError("the request was never meant to be stepped")
+
+    def flush(self):
+        raise UnicodeError("flush broke")
+
+
+async def test_ending_every_stream_survives_a_final_delta_that_raises():
+    fake = FakeEngine(num_blocks=256, block_size=4)
+    try:
+        channel = fake.core.submit("broken", [3, 5, 7], LONG, BrokenText(), eos_token_ids=(EOS,),
+                                   max_tokens=LONG.max_tokens)
+        streams = [RequestStream(channel, functools.partial(fake.core.abort, channel=channel))]
+        streams += [fake.submit(f"other-{i}", [4 + i, 5, 6, 7], LONG) for i in range(5)]  # queued, not yet stepped
+        fake.core.die(RuntimeError("simulated engine fault"))
         for stream in streams:
             with pytest.raises(RequestFailedError, match="simulated engine fault"):
                 await collect(stream)
-        assert engine.health() == "unhealthy"
-        assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+        assert fake.core.dead is not None
+        fake.check_clean()
+    finally:
+        fake.close()
 
 
-async def test_an_engine_that_keeps_failing_dies_ends_every_stream_and_refuses_new_requests(tiny_model, monkeypatch):
-    async with AsyncEngine(config(tiny_model)) as engine:
+async def test_an_engine_that_keeps_failing_dies_ends_every_stream_and_refuses_new_requests(tiny_model):
+    runners = Runners()
+    async with AsyncEngine(config(tiny_model), runner_factory=runners) as engine:
         def always_fails(step):
             raise RuntimeError("the model cannot run at all")
-        monkeypatch.setattr(engine._runner, "execute", always_fails)
+        runners.runner.hook = always_fails
         for attempt in range(core_module.FATAL_FAILED_STEPS):
             with pytest.raises(RequestFailedError):
                 await collect(engine.generate([attempt + 3] + PROMPT, GREEDY))
@@ -77,24 +91,21 @@ async def test_an_engine_that_keeps_failing_dies_ends_every_stream_and_refuses_n
     assert engine.health() == "stopped"  # shutdown after death returned and left nothing running
 
 
-async def test_an_abort_during_a_failed_step_does_not_poison_the_prefix_cache(tiny_model, monkeypatch):
-    async with AsyncEngine(config(tiny_model)) as engine:
+async def test_an_abort_during_a_failed_step_does_not_poison_the_prefix_cache(tiny_model):
+    runners = Runners()
+    async with AsyncEngine(config(tiny_model), runner_factory=runners) as engine:
         clean = await collect(engine.generate(PROMPT, GREEDY))
-        await wait_idle(engine)
-        engine._core.scheduler.kv_cache_manager.pool  # the clean run's blocks stay cached, evictable
-        real_execute = engine._runner.execute
+        await wait_idle(engine)  # the clean run's blocks stay cached, evictable
 
         def abort_then_fail(step):
             if any(s.request_id == "victim" for s in step.scheduler_output.scheduled):
                 engine.abort("victim")  # from the MLX thread: lands while the step is in flight
                 raise RuntimeError("forward failed")
-            return real_execute(step)
 
-        monkeypatch.setattr(engine._runner, "execute", abort_then_fail)
         victim_prompt = [99] + PROMPT  # its own blocks: hashed at schedule time, never written
-        _, _, finish = await collect(engine.generate(victim_prompt, GREEDY, request_id="victim"))
+        with runners.hooked(abort_then_fail):
+            _, _, finish = await collect(engine.generate(victim_prompt, GREEDY, request_id="victim"))
         assert finish == "abort"
-        monkeypatch.setattr(engine._runner, "execute", real_execute)
         hits_before = engine.stats().prefix_cache_hits
         again = await collect(engine.generate(victim_prompt, GREEDY))
         assert engine.stats().prefix_cache_hits == hits_before  # nothing of the failed step was reused
@@ -134,7 +145,7 @@ async def test_an_oversized_prompt_is_refused_before_tokenizing(tiny_model, monk
         with pytest.raises(PromptTooLongError):
             engine.generate("ab" * 1_000_000, GREEDY)
         assert calls == []  # refused without tokenizing
-        monkeypatch.setattr(async_engine, "OFF_LOOP_PROMPT_CHARS", 100)
+        monkeypatch.setattr(submission, "OFF_LOOP_PROMPT_CHARS", 100)
         ids = await engine.prompt_token_ids("ab " * 60)
         assert [c.rsplit("_", 1)[0] for c in calls] == ["metrale-tokenize"] and ids  # a long prompt is tokenized off the event loop
 
@@ -190,17 +201,12 @@ async def test_the_running_gauge_counts_a_request_the_moment_it_is_queued(tiny_m
 
 
 async def test_the_step_watchdog_marks_a_stuck_step_unhealthy_until_it_ends(tiny_model, monkeypatch):
-    async with AsyncEngine(config(tiny_model)) as engine:
+    runners = Runners()
+    async with AsyncEngine(config(tiny_model), runner_factory=runners) as engine:
         await collect(engine.generate(PROMPT, GREEDY))  # a few normal steps set the expected step time
         monkeypatch.setattr(async_engine, "WATCHDOG_MIN_S", 0.3)
-        real_execute = engine._runner.execute
         release = threading.Event()
-
-        def stuck(step):
-            release.wait(10)
-            return real_execute(step)
-
-        monkeypatch.setattr(engine._runner, "execute", stuck)
+        runners.runner.hook = lambda step: release.wait(10)
         stream = engine.generate(PROMPT, GREEDY)
         await asyncio.sleep(0.8)
         assert engine.health() == "unhealthy"

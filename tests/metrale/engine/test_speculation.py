@@ -19,6 +19,7 @@ PROMPTS = [[5 + i, 30, 7 + i, 60, 11, 40 + i, 9, 50, 13 + i, 70, 21, 8, 33 + i] 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.9, seed=7, ignore_eos=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64, "adaptive": False}
+ADAPTIVE = {**SPEC, "adaptive": True}  # the default policy: each request's draft count follows its acceptance
 
 
 def config(model: str, speculative=None, **kw) -> EngineConfig:
@@ -62,10 +63,11 @@ class OracleProposer:
         pass
 
 
+@pytest.mark.parametrize("spec", [SPEC, ADAPTIVE], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("offset, all_accepted", [(0, True), (1, False)])
-async def test_oracle_and_always_wrong_proposers_give_plain_greedy(tiny_model, reference, offset, all_accepted):
+async def test_oracle_and_always_wrong_proposers_give_plain_greedy(tiny_model, reference, offset, all_accepted, spec):
     greedy, _ = reference
-    async with AsyncEngine(config(tiny_model, SPEC), proposer=OracleProposer(greedy, offset)) as engine:
+    async with AsyncEngine(config(tiny_model, spec), proposer=OracleProposer(greedy, offset)) as engine:
         results = await asyncio.gather(*(collect(engine.generate(p, GREEDY)) for p in PROMPTS))
         assert results == greedy
         drafts, accepted_tokens = accepted(engine)
@@ -76,9 +78,10 @@ async def test_oracle_and_always_wrong_proposers_give_plain_greedy(tiny_model, r
         assert_clean(engine)
 
 
-async def test_ngram_proposer_gives_plain_greedy_in_a_mixed_batch(tiny_model, reference):
+@pytest.mark.parametrize("spec", [SPEC, ADAPTIVE], ids=["fixed", "adaptive"])
+async def test_ngram_proposer_gives_plain_greedy_in_a_mixed_batch(tiny_model, reference, spec):
     greedy, seeded = reference
-    async with AsyncEngine(config(tiny_model, SPEC)) as engine:
+    async with AsyncEngine(config(tiny_model, spec)) as engine:
         streams = [engine.generate(p, GREEDY) for p in PROMPTS] + [engine.generate(p, SEEDED) for p in PROMPTS]
         results = await asyncio.gather(*(collect(s) for s in streams))
         assert results[:len(PROMPTS)] == greedy  # speculated

@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from metrale import AsyncEngine, EngineConfig, RequestFailedError, SamplingParams
 from metrale.errors import InvalidStructuredOutputError, InvalidTokenIdError
-from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
+from tests.metrale.engine_helpers import Runners, assert_clean, collect, wait_idle
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -28,11 +28,16 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 ASK = [{"role": "user", "content": "Give a JSON object describing a person named Anna, 31, from Oslo."}]
 
 
+@pytest.fixture(scope="module")
+def runners() -> Runners:
+    return Runners()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine():
+async def engine(runners):
     # 8 MiB of float32 KV = 11 blocks of 16 tokens: four ~100-token requests must preempt each other
     config = EngineConfig(kv_cache_bytes=8 << 20, max_model_len=256, max_num_seqs=8)
-    async with AsyncEngine(config) as eng:
+    async with AsyncEngine(config, runner_factory=runners) as eng:
         yield eng
 
 
@@ -64,7 +69,7 @@ async def test_bad_words_never_appear(engine):
     assert banned.text != plain.text
 
 
-async def test_structured_outputs_survive_preemption(engine, caplog):
+async def test_structured_outputs_survive_preemption(engine, caplog, runners):
     params = SamplingParams(max_tokens=90, temperature=0.7, seed=5, structured_outputs={"json": PERSON})
     await engine.prepare(params)
     before = engine.stats().num_preemptions
@@ -79,7 +84,7 @@ async def test_structured_outputs_survive_preemption(engine, caplog):
     assert not [r for r in caplog.records if "resync" in r.getMessage()]
     await wait_idle(engine)
     await collect(engine.generate(PROMPT, SamplingParams(max_tokens=1)))  # a step that carries the finished ids
-    assert engine._runner.constraints.num_tracked == 0
+    assert runners.runner.constraints.num_tracked == 0
     assert_clean(engine)
 
 

@@ -256,7 +256,8 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
     folder = arch_folder(tmp_path, "llama")
     _edit_config(folder, model_type="gpt_neox")
     with pytest.raises(ValueError, match=r"unsupported model architecture 'gpt_neox' in .*config.json; "
-                                         r"supported: gemma3, gemma3_text, llama, mistral, qwen2, qwen3"):
+                                         r"supported: gemma2, gemma3, gemma3_text, llama, ministral3, mistral, mixtral, phi3, qwen2, qwen3, "
+                                         r"qwen3_moe"):
         load_model(str(folder))
 
 
@@ -294,7 +295,8 @@ def test_missing_shard_is_named(tmp_path):
         ({"model_type": "llama"}, r"unexpected weights .*: model.layers.0.self_attn.k_norm.weight"),
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq' is not supported"),
         ({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}, "mode 'mxfp4' is not supported"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling type 'longrope' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn rope_scaling needs original_max_position"),
     ],
 )
 def test_configs_that_do_not_fit_the_weights(tmp_path, change, message):

@@ -183,22 +183,25 @@ def _metadata(**overrides):
 def test_config_from_metadata_and_its_errors():
     config = config_from_gguf_metadata(_metadata(), frozenset({"output.weight"}))
     assert (config.num_key_value_heads, config.head_dim, config.tie_word_embeddings) == (4, 16, False)
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma3'; supported: llama"):
-        config_from_gguf_metadata(_metadata(**{"general.architecture": "gemma3"}), frozenset())
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'; supported: gemma2, gemma3, llama, "
+                                         r"mistral3, phi3, qwen2, qwen3, qwen3moe"):
+        config_from_gguf_metadata(_metadata(**{"general.architecture": "gpt2"}), frozenset())
     broken = _metadata()
     del broken["llama.block_count"]
     with pytest.raises(ValueError, match="GGUF metadata lacks llama.block_count"):
         config_from_gguf_metadata(broken, frozenset())
     with pytest.raises(ValueError, match="partial RoPE"):
         config_from_gguf_metadata(_metadata(**{"llama.rope.dimension_count": mx.array(8)}), frozenset())
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope scaling 'su' is not supported"):
+        config_from_gguf_metadata(_metadata(**{"llama.rope.scaling.type": "su"}), frozenset())
+    with pytest.raises(ValueError, match="yarn rope scaling lacks llama.rope.scaling.original_context_length"):
         config_from_gguf_metadata(_metadata(**{"llama.rope.scaling.type": "yarn"}), frozenset())
 
 
 def test_unexpected_tensor_is_named():
     config = ModelConfig.from_hf_dict(tiny_config_dict())
-    with pytest.raises(ValueError, match=r"unexpected GGUF tensor 'blk.0.attn_q_norm.weight'"):
-        gguf_to_hf_weights({"blk.0.attn_q_norm.weight": mx.zeros((16,))}, config)
+    with pytest.raises(ValueError, match=r"unexpected GGUF tensor 'blk.0.ssm_a.weight' for a llama model"):
+        gguf_to_hf_weights({"blk.0.ssm_a.weight": mx.zeros((16,))}, config)
 
 
 def test_weights_that_do_not_fit_the_config_are_named():

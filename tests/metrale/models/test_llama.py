@@ -136,7 +136,7 @@ def test_rope_freq_factors_equal_llama3_scaling():
         ({"hidden_size": 66}, "not divisible by num_attention_heads"),
         ({"rms_norm_eps": 0.0}, "rms_norm_eps must be > 0"),
         ({"sliding_window": 0}, "sliding_window must be None or > 0"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling type 'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling type 'longrope' is not supported"),
     ],
 )
 def test_config_validation(overrides, message):

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metrale.errors import InvalidStructuredOutputError, StructuredOutputUnavailableError
+from metrale.errors import InvalidStructuredOutputError, RequestRejectedError, StructuredOutputUnavailableError
 from metrale.sampling import guided
 from metrale.sampling.constraints import TokenConstraints
 from metrale.sampling.guided import GrammarCompiler, require_llguidance
@@ -77,14 +77,14 @@ def test_a_bad_constraint_names_its_problem(compiler, spec, problem):
     with pytest.raises(InvalidStructuredOutputError, match=re.escape(problem)) as error:
         future.result(timeout=30)
     assert str(error.value).startswith(f"structured_outputs.{next(iter(spec))}")
-    assert error.value.http_status == 400
+    assert error.value.field == "structured_outputs" and isinstance(error.value, RequestRejectedError)
 
 
-def test_missing_extra_is_a_400_naming_it(compiler, monkeypatch):
+def test_missing_extra_is_a_rejection_naming_it(compiler, monkeypatch):
     monkeypatch.setattr(guided, "llguidance_available", lambda: False)
     with pytest.raises(StructuredOutputUnavailableError, match=r"metrale\[structured\]") as error:
         require_llguidance()
-    assert error.value.http_status == 400
+    assert error.value.field == "structured_outputs" and isinstance(error.value, RequestRejectedError)
     with pytest.raises(StructuredOutputUnavailableError):
         compiler.submit(StructuredOutputs(regex="a+"))
 

@@ -14,6 +14,7 @@ from tokenizers.models import WordLevel
 from metrale.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateError, validate_messages
 from metrale.text.tokenizer import Tokenizer
 
+from tests.llamacpp_assets import template_path
 from tests.metrale.text_helpers import gguf_metadata
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -202,3 +203,20 @@ def test_template_kwargs_are_template_variables():
     messages = [{"role": "user", "content": "Hi"}]
     assert template.render(messages) == "Hi"
     assert template.render(messages, enable_thinking=False) == "Hi /no_think"
+
+
+def test_developer_is_the_templates_developer_turn_or_system():
+    messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+    chatml = ChatTemplate.builtin("chatml")
+    assert chatml.render(messages) == chatml.render([{**messages[0], "role": "system"}, messages[1]])
+    assert "<|im_start|>system\nAnswer in French." in chatml.render(messages)
+    gpt_oss = ChatTemplate(template_path("openai-gpt-oss-120b.jinja").read_text(encoding="utf-8"))
+    assert gpt_oss.has_developer_role and not chatml.has_developer_role
+    assert "<|start|>developer<|message|># Instructions\n\nAnswer in French." in gpt_oss.render(messages)
+
+
+def test_a_field_the_template_reads_but_the_request_lacks_is_a_template_error():
+    gpt_oss = ChatTemplate(template_path("openai-gpt-oss-120b.jinja").read_text(encoding="utf-8"))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(ChatTemplateError, match="description"):
+        gpt_oss.render([{"role": "user", "content": "hi"}], tools=tools)

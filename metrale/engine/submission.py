@@ -1,0 +1,158 @@
+"""Submission: a prompt and its params in, a queued request and its stream out, or a typed refusal.
+
+Synchronous and on the event loop, except that long prompts are tokenized on one worker thread. A refusal
+(metrale.errors) changes nothing and is counted once, by the reason its type carries (`counting_rejections`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from metrale.engine.core import EngineCore
+from metrale.engine.metrics import EngineMetrics
+from metrale.engine.runner import ModelRunner
+from metrale.engine.startup import TextFrontEnd
+from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
+from metrale.errors import (EngineUnavailableError, PromptTooLongError, RequestRejectedError,
+                            StructuredOutputUnavailableError)
+from metrale.outputs import CompletionResult
+from metrale.sampling.guided import GrammarCompiler, require_llguidance
+from metrale.sampling_params import SamplingParams
+
+OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
+Abort = Callable[..., bool]  # AsyncEngine.abort(request_id, channel=...)
+
+
+@contextlib.contextmanager
+def counting_rejections(metrics: EngineMetrics) -> Iterator[None]:
+    """Every refusal at submit time is counted once, by the reason its type carries."""
+    try:
+        yield
+    except (RequestRejectedError, EngineUnavailableError) as error:
+        if error.reason is not None:
+            metrics.record_rejected(error.reason)
+        raise
+    except (ValueError, TypeError):  # e.g. params that are not SamplingParams
+        metrics.record_rejected("invalid_request")
+        raise
+
+
+class Submission:
+    """Validates, tokenizes and queues the requests of one started engine."""
+
+    def __init__(self, text: TextFrontEnd, core: EngineCore, runner: ModelRunner, max_model_len: int,
+                 abort: Abort) -> None:
+        self.inputs = text.inputs
+        self._outputs = text.outputs
+        self._core = core
+        self._runner = runner
+        self._max_model_len = max_model_len
+        self._abort = abort
+        self._ids = itertools.count()
+        self._tokenize_thread: ThreadPoolExecutor | None = None
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None,
+                 priority: int) -> RequestStream | GroupStream:
+        params = self._request_params(params)
+        return self.submit(self.inputs.prompt_ids(prompt), params, request_id, priority)
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None, request_id: str | None,
+             priority: int, tools: Sequence[Any] | None) -> RequestStream | GroupStream:
+        params = self._request_params(params)
+        return self.submit(self.inputs.chat_ids(messages, tools=tools), params, request_id, priority)
+
+    async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
+            self.inputs.check_length(prompt)
+            return await self._off_loop(self.inputs.prompt_ids, prompt)
+        return self.inputs.prompt_ids(prompt)
+
+    async def chat_token_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict)) \
+            if isinstance(messages, list) else 0
+        if size > OFF_LOOP_PROMPT_CHARS:
+            return await self._off_loop(self.inputs.chat_ids, messages, **template_kwargs)
+        return self.inputs.chat_ids(messages, **template_kwargs)
+
+    async def prepare(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            await self.grammar_compiler().compile(params.structured_outputs)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        compiler = self._runner.grammar_compiler
+        if compiler is None:
+            require_llguidance()
+            raise StructuredOutputUnavailableError("structured outputs need a tokenizer with an eos token")
+        return compiler
+
+    def close(self) -> None:
+        if self._tokenize_thread is not None:
+            self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn, *args: Any, **kwargs: Any) -> Any:
+        if self._tokenize_thread is None:  # one thread: a flood of huge prompts queues, it does not fan out
+            self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    def _request_params(self, params: SamplingParams | None) -> SamplingParams:
+        params = self.inputs.params(_checked_params(params))
+        if params.structured_outputs is not None:
+            self.grammar_compiler().submit(params.structured_outputs)  # starts compiling now (cached)
+        return params
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+               priority: int) -> RequestStream | GroupStream:
+        """One sequence (a RequestStream), or params.n sequences sharing the prompt (a GroupStream whose
+        deltas carry their sequence's index; sequence i is request `request_id#i`, 0 is `request_id`)."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        max_tokens = self._max_tokens(params, len(prompt_ids))
+        eos = self.inputs.tokenizer.eos_token_ids
+        if params.n == 1:
+            text = self._outputs.new_request(prompt_ids, params, request_id)
+            channel = self._core.submit(request_id, prompt_ids, params, text, priority=priority,
+                                        eos_token_ids=eos, max_tokens=max_tokens)
+            return RequestStream(channel, functools.partial(self._abort, channel=channel))
+        ids = [request_id, *(f"{request_id}#{i}" for i in range(1, params.n))]
+        sequences = [params.for_sequence(i) for i in range(params.n)]
+        texts = [self._outputs.new_request(prompt_ids, p, rid) for rid, p in zip(ids, sequences)]
+        channels = self._core.submit_group(ids, prompt_ids, sequences, texts, priority=priority,
+                                           eos_token_ids=eos, max_tokens=max_tokens)
+        return GroupStream(channels, _abort_channel(self._abort))
+
+    def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """params.max_tokens, or when it is None the room left in the context and in the KV pool."""
+        if params.max_tokens is not None:
+            return params.max_tokens
+        pool_tokens = self._runner.kv_cache.num_slots
+        room = min(self._max_model_len - num_prompt_tokens, pool_tokens + 1 - num_prompt_tokens)
+        if room < 1:
+            raise PromptTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output in "
+                                     f"max_model_len ({self._max_model_len})")
+        return max(room, params.min_tokens)
+
+
+async def collect_result(stream: RequestStream) -> CompletionResult:
+    """Read a stream to its end into one CompletionResult; leaving early (an error, a cancel) aborts
+    the request."""
+    async with stream:
+        outputs = [out async for out in stream]
+    return CompletionResult.from_outputs(stream.request_id, outputs)
+
+
+def _abort_channel(abort: Abort) -> Callable[[OutputChannel], bool]:
+    return lambda channel: abort(channel.request_id, channel=channel)
+
+
+def _checked_params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    return params
