@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNTERS = ("metrale_prefix_cache_hits_total", "metrale_prefix_cache_queries_total", "metrale_prompt_tokens_total",
-            "metrale_request_success_total")
+            "metrale_prompt_tokens_cached_total", "metrale_request_success_total")
 BENCH_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
               "mean_itl_ms", "mean_e2el_ms")
 
@@ -150,7 +150,9 @@ def policies(args: argparse.Namespace, out_dir: Path) -> dict:
             delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(fleet.counters(), before)]
             hits, queries = (sum(d[f"metrale_prefix_cache_{k}_total"] for d in delta) for k in ("hits", "queries"))
             runs.append({"policy": policy, **run, "prefix_hit_rate": hits / queries if queries else 0.0,
-                         "prompt_tokens_computed": int(sum(d["metrale_prompt_tokens_total"] for d in delta)),
+                         "prompt_tokens_computed": int(sum(d["metrale_prompt_tokens_total"]  # whole prompts, less the
+                                                              - d["metrale_prompt_tokens_cached_total"]  # cache hits
+                                                              for d in delta)),
                          "requests_per_replica": [int(d["metrale_request_success_total"]) for d in delta]})
     finally:
         statuses = {policy: fleet.stop() for policy, fleet in fleets.items()}

@@ -30,6 +30,13 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100..100
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+# Client-chosen sizes, bounded before any work scales with them (each stop string is compiled into the
+# request's matcher, each bad word tokenized twice, when the request is submitted).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 8192  # all stop strings together
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 8192  # all bad words together
+MAX_BAD_WORDS_TOKEN_IDS = 8 * MAX_BAD_WORDS_CHARS  # in all: a character is 4 byte tokens at most, twice
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -44,7 +51,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     seed: makes sampling reproducible: the token at output position i depends only on the logits,
         the params, the seed and i, never on the batch it runs in. None: the engine's own stream.
     stop: strings that end generation when they appear in the output text (a str or a sequence;
-        stored as a tuple). The stop string itself is not returned unless include_stop_str_in_output.
+        stored as a tuple; at most MAX_STOP_STRINGS, MAX_STOP_CHARS characters in all). The stop
+        string itself is not returned unless include_stop_str_in_output.
     stop_token_ids: token ids that end generation (the token is counted but not detokenized).
     ignore_eos: keep generating past the model's end-of-sequence tokens.
     min_tokens: eos and stop_token_ids cannot be sampled before this many output tokens.
@@ -61,7 +69,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     allowed_token_ids: only these ids may be sampled (vLLM); None allows every id.
     bad_words: strings whose token sequences must not be generated (vLLM): the last token of a bad
         word is banned when the output ends with its other tokens. The engine tokenizes each word with
-        and without a leading space into bad_words_token_ids when the request is submitted.
+        and without a leading space into bad_words_token_ids when the request is submitted (or, through
+        `AsyncEngine.prepare`, off the event loop). At most MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS in all.
     bad_words_token_ids: token-id sequences banned the same way (the engine adds the bad_words' here).
     n: how many output sequences to sample from the prompt (parallel sampling). They share the prompt's
         KV blocks; sequence i samples with seed + i when a seed is set, else from the engine's stream.
@@ -127,7 +136,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             if not self.allowed_token_ids:
                 raise InvalidParamsError("allowed_token_ids must hold at least one token id, got []",
                                          field="allowed_token_ids")
-        force(self, "bad_words", _normalize_strings("bad_words", self.bad_words))
+        force(self, "bad_words", _normalize_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS))
         force(self, "bad_words_token_ids", _normalize_sequences(self.bad_words_token_ids))
         if self.structured_outputs is not None:
             force(self, "structured_outputs", _structured_outputs(self.structured_outputs))
@@ -234,19 +243,24 @@ def _check_top_k(value: object) -> None:
 
 
 def _normalize_stop(stop: object) -> tuple[str, ...] | None:
-    return _normalize_strings("stop", stop)
+    return _normalize_strings("stop", stop, MAX_STOP_STRINGS, MAX_STOP_CHARS)
 
 
-def _normalize_strings(name: str, value: object) -> tuple[str, ...] | None:
+def _normalize_strings(name: str, value: object, max_items: int, max_chars: int) -> tuple[str, ...] | None:
     if value is None:
         return None
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise InvalidParamsError(f"{name} must be a string or a list of strings, got {type(value).__name__}",
                                  field=name)
+    if len(items) > max_items:
+        raise InvalidParamsError(f"{name} must hold at most {max_items} strings, got {len(items)}", field=name)
     for item in items:
         if not isinstance(item, str) or not item:
-            raise InvalidParamsError(f"{name} must hold non-empty strings, got {item!r}", field=name)
+            raise InvalidParamsError(f"{name} must hold non-empty strings, got {item!r:.100}", field=name)
+    total = sum(len(item) for item in items)
+    if total > max_chars:
+        raise InvalidParamsError(f"{name} must hold at most {max_chars} characters in all, got {total}", field=name)
     return tuple(items) or None
 
 
@@ -265,8 +279,16 @@ def _normalize_sequences(sequences: object) -> tuple[tuple[int, ...], ...]:
     if not isinstance(sequences, (list, tuple)):
         raise InvalidParamsError("bad_words_token_ids must be a list of token id lists, got "
                                  f"{type(sequences).__name__}", field="bad_words_token_ids")
+    if len(sequences) > MAX_BAD_WORDS_TOKEN_IDS:
+        raise InvalidParamsError(f"bad_words_token_ids must hold at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all, "
+                                 f"got {len(sequences)} sequences", field="bad_words_token_ids")
     out = []
+    total = 0
     for ids in sequences:
+        total += len(ids) if isinstance(ids, (list, tuple)) else 0
+        if total > MAX_BAD_WORDS_TOKEN_IDS:
+            raise InvalidParamsError(f"bad_words_token_ids must hold at most {MAX_BAD_WORDS_TOKEN_IDS} token ids in all",
+                                     field="bad_words_token_ids")
         ids = _normalize_token_ids(ids, "bad_words_token_ids")
         if not ids:
             raise InvalidParamsError("bad_words_token_ids must hold non-empty token id lists, got []",

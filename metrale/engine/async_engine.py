@@ -27,7 +27,7 @@ from metrale.engine.runner import ModelRunner
 from metrale.engine.startup import (Loaded, RunnerFactory, TextFrontEnd, default_model_label, load,
                                     read_model_sampling_defaults)
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
-from metrale.engine.submission import Submission, collect_result, counting_rejections
+from metrale.engine.submission import Submission, collect_result, counting_rejections, prepares_text
 from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError
 from metrale.failpoints import Failpoints
 from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
@@ -199,8 +199,10 @@ class AsyncEngine:
         """Compile what `params` needs before `generate`/`chat` (a structured-output grammar), on the
         grammar thread; raises InvalidStructuredOutputError naming the problem, or
         StructuredOutputUnavailableError without the `metrale[structured]` extra. Optional: a request
-        submitted unprepared waits for its grammar when first scheduled and fails if it does not compile."""
-        if params.structured_outputs is None:
+        submitted unprepared waits for its grammar when first scheduled and fails if it does not compile.
+        Many bad words are tokenized and many stop strings compiled here too, on the tokenize thread (cached
+        for `generate`)."""
+        if params.structured_outputs is None and not prepares_text(params):
             return
         with counting_rejections(self.metrics):
             await self._accepting().prepare(params)

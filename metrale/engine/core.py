@@ -99,6 +99,8 @@ class EngineCore:
         channels = []
         for request_id, p, text in zip(request_ids, params, texts):
             state = RequestState(request_id, p, len(prompt_token_ids), text)
+            if len(request_ids) > 1:
+                state.group = (request_ids[0], len(request_ids))
             self.states[request_id] = state
             channels.append(state.channel)
         if len(requests) > 1:

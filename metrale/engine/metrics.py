@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from metrale import __version__
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("queue_full", "invalid_request", "too_long", "draining")
 
@@ -29,6 +31,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's; the last is always 0
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -53,7 +58,7 @@ class IterationStats:
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # 0..1, after the step
-    num_prompt_tokens: int  # prompt tokens computed this step
+    num_prompt_tokens: int  # whole prompts (cached tokens included) of the requests that got a first token this step
     num_generation_tokens: int  # tokens sampled this step
     num_batched_tokens: int  # all tokens in the step's forward pass
     time_to_first_tokens_s: tuple[float, ...] = ()  # one per request that got its first token
@@ -61,6 +66,7 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0  # tokens found there
+    num_cached_prompt_tokens: int = 0  # of num_prompt_tokens, those the prefix cache served (not computed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,11 @@ class FinishedRequestStats:
     decode_time_s: float  # first token -> last token
     num_prompt_tokens: int
     num_generation_tokens: int
+    inference_time_s: float = 0.0  # first scheduled -> last token (preemptions included)
+    num_preemptions: int = 0
+    max_tokens_param: int | None = None  # the request's max_tokens, None when it set none
+    params_n: int | None = None  # on the last sequence of a request to end: its n (vLLM's parent request)
+    max_num_generation_tokens: int | None = None  # with params_n: the longest of its sequences, in tokens
 
 
 class EngineMetrics:
@@ -101,7 +112,15 @@ class EngineMetrics:
         self._running = gauge("metrale_requests_running", "Requests in the running batch.")
         self._waiting = gauge("metrale_requests_waiting", "Requests waiting to be scheduled.")
         self._kv_usage = gauge("metrale_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).")
-        self._prompt_tokens = counter("metrale_prompt_tokens", "Prompt tokens computed (prefill).")
+        self._prompt_tokens = counter("metrale_prompt_tokens", "Prompt tokens of requests that got their first "
+                                      "token, cached ones included (vLLM's prompt_tokens).")
+        self._prompt_tokens_cached = counter("metrale_prompt_tokens_cached",
+                                             "Of metrale_prompt_tokens, those served by the prefix cache.")
+        by_source = Counter("metrale_prompt_tokens_by_source", "Prompt tokens by where their KV came from: "
+                            "local_compute, local_cache_hit, external_kv_transfer (always 0).",
+                            ["model_name", "source"], registry=reg)
+        self._prompt_tokens_by_source = {source: by_source.labels(model_name, source)
+                                         for source in PROMPT_TOKEN_SOURCES}
         self._generation_tokens = counter("metrale_generation_tokens", "Tokens generated.")
         self._preemptions = counter("metrale_num_preemptions", "Requests preempted for recompute.")
         self._prefix_queries = counter("metrale_prefix_cache_queries",
@@ -126,13 +145,24 @@ class EngineMetrics:
                                   "First scheduled to first token.", REQUEST_LATENCY_BUCKETS)
         self._decode = histogram("metrale_request_decode_time_seconds",
                                  "First token to last token.", REQUEST_LATENCY_BUCKETS)
+        self._inference = histogram("metrale_request_inference_time_seconds",
+                                    "First scheduled to last token (preemptions included).", REQUEST_LATENCY_BUCKETS)
+        self._tpot = histogram("metrale_request_time_per_output_token_seconds", "Decode time of a request divided "
+                               "by its generated tokens after the first.", ITL_BUCKETS)
+        self._params_n = histogram("metrale_request_params_n", "The n (sequences) of finished requests.",
+                                   REQUEST_PARAMS_N_BUCKETS)
+        self._request_preemptions = histogram("metrale_request_num_preemptions",
+                                              "Times a finished request was preempted.",
+                                              REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self._params_max_tokens: Histogram | None = None
+        self._max_generation_len: Histogram | None = None
         self._prompt_len: Histogram | None = None  # set_max_model_len registers the length histograms
         self._generation_len: Histogram | None = None
         self._iteration_tokens = histogram("metrale_iteration_tokens",
                                            "Tokens in one engine step's forward pass.", ITERATION_TOKEN_BUCKETS)
         self._info = Info("metrale_build", "metrale build and engine configuration (value is always 1).",
                           registry=reg)
-        self._info.info({"model_name": model_name})
+        self._info.info({"model_name": model_name, "version": __version__})
 
     def enable_speculation(self, num_speculative_tokens: int) -> None:
         """Register the speculative-decoding series (vLLM's spec_decode family), positions 0..k-1."""
@@ -174,6 +204,11 @@ class EngineMetrics:
                                            "Prompt length of finished requests, in tokens.", buckets)
         self._generation_len = self._histogram("metrale_request_generation_tokens",
                                                "Generated length of finished requests, in tokens.", buckets)
+        self._params_max_tokens = self._histogram("metrale_request_params_max_tokens",
+                                                  "The max_tokens of finished requests that set one.", buckets)
+        self._max_generation_len = self._histogram("metrale_request_max_num_generation_tokens", "The longest "
+                                                   "sequence of each finished request (of its n), in tokens.",
+                                                   buckets)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)
@@ -182,11 +217,18 @@ class EngineMetrics:
         """Account one engine step: gauges, token counters, TTFT and ITL samples, step size."""
         self.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         _check_counts(stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_batched_tokens,
-                      stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+                      stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                      stats.num_cached_prompt_tokens)
+        if stats.num_cached_prompt_tokens > stats.num_prompt_tokens:
+            raise ValueError(f"num_cached_prompt_tokens {stats.num_cached_prompt_tokens} > "
+                             f"num_prompt_tokens {stats.num_prompt_tokens}")
         if stats.prefix_cache_hits > stats.prefix_cache_queries:
             raise ValueError(f"prefix_cache_hits {stats.prefix_cache_hits} > "
                              f"prefix_cache_queries {stats.prefix_cache_queries}")
         self._prompt_tokens.inc(stats.num_prompt_tokens)
+        self._prompt_tokens_cached.inc(stats.num_cached_prompt_tokens)
+        self._prompt_tokens_by_source["local_compute"].inc(stats.num_prompt_tokens - stats.num_cached_prompt_tokens)
+        self._prompt_tokens_by_source["local_cache_hit"].inc(stats.num_cached_prompt_tokens)
         self._generation_tokens.inc(stats.num_generation_tokens)
         self._preemptions.inc(stats.num_preemptions)
         self._prefix_queries.inc(stats.prefix_cache_queries)
@@ -201,23 +243,35 @@ class EngineMetrics:
     def record_finished(self, stats: FinishedRequestStats) -> None:
         """Account one finished request, whatever its finish reason.
 
-        Latency and length samples are always taken; prefill and decode time only for a request
-        that produced a token (one that never got that far has no such phase, not a zero-long one).
+        Latency and length samples are always taken; prefill, decode and inference time and the time per
+        output token only for a request that produced a token (one that never got that far has no such
+        phase, not a zero-long one). As in vLLM, each of a request's n sequences is one finished request here;
+        the request itself (n and its longest sequence) is observed once, on its last sequence (`params_n`).
         """
         success = self._success.get(stats.finish_reason)
         if success is None:
             raise ValueError(f"finish_reason {stats.finish_reason!r} not in {FINISH_REASONS}")
-        _check_counts(stats.num_prompt_tokens, stats.num_generation_tokens)
+        _check_counts(stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_preemptions)
         success.inc()
+        self._request_preemptions.observe(stats.num_preemptions)
         self._e2e.observe(stats.e2e_latency_s)
         self._queue.observe(stats.queue_time_s)
         if stats.num_generation_tokens > 0:
             self._prefill.observe(stats.prefill_time_s)
             self._decode.observe(stats.decode_time_s)
+            self._inference.observe(stats.inference_time_s)
+            after_first = stats.num_generation_tokens - 1
+            self._tpot.observe(stats.decode_time_s / after_first if after_first > 0 else 0.0)
         if self._prompt_len is None or self._generation_len is None:
             raise RuntimeError("record_finished before set_max_model_len: the length buckets are not known yet")
         self._prompt_len.observe(stats.num_prompt_tokens)
         self._generation_len.observe(stats.num_generation_tokens)
+        if stats.max_tokens_param is not None and self._params_max_tokens is not None:
+            self._params_max_tokens.observe(stats.max_tokens_param)
+        if stats.params_n is not None:
+            self._params_n.observe(stats.params_n)
+            if self._max_generation_len is not None and stats.max_num_generation_tokens is not None:
+                self._max_generation_len.observe(stats.max_num_generation_tokens)
 
     def record_rejected(self, reason: str) -> None:
         """Count one request refused before it was queued (`reason` in REJECT_REASONS)."""
@@ -238,9 +292,9 @@ class EngineMetrics:
     def set_info(self, **labels: object) -> None:
         """Set the labels of `metrale_build_info` (version, block_size, ...); values become strings.
 
-        `model_name` is always included; each call replaces the previous label set.
+        `model_name` and metrale's `version` are always included; each call replaces the previous label set.
         """
-        values = {"model_name": self.model_name}
+        values = {"model_name": self.model_name, "version": __version__}
         values.update({key: str(value) for key, value in labels.items()})
         self._info.info(values)
 

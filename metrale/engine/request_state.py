@@ -41,7 +41,7 @@ class RequestState:
     """Turns a request's new token ids into stream deltas through its RequestText."""
 
     __slots__ = ("request_id", "params", "channel", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens",
-                 "times", "_text", "_prompt_logprobs")
+                 "times", "num_preemptions", "group", "_text", "_prompt_logprobs")
 
     def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int, text: RequestText) -> None:
         self.request_id = request_id
@@ -51,6 +51,8 @@ class RequestState:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served, known when first scheduled
         self.times = RequestTimes()
+        self.num_preemptions = 0
+        self.group: tuple[str, int] | None = None  # parallel sampling: (the group's first id, n); None for n = 1
         self._text = text
         # one per prompt position (None at 0), filled chunk by chunk; sent with the first delta, then None
         self._prompt_logprobs: list[TokenLogprob | None] | None = \
@@ -63,10 +65,20 @@ class RequestState:
 
     def on_tokens(self, token_ids: tuple[int, ...], finish_reason: FinishReason | None,
                   hide_last_token: bool, logprobs: list[TokenLogprob] | None) -> TextDelta:
-        """Detokenize new ids (the stop token id, if any, is counted but never becomes text)."""
-        self.num_output_tokens += len(token_ids)
+        """Detokenize new ids (the stop token id, if any, is counted but never becomes text).
+
+        Several ids at once (an accepted speculative run) with stop strings are matched one id at a time,
+        and the ids after the one that completes a stop string are dropped: token_ids, usage and text
+        are those of plain decoding, which would have stopped there."""
         text_ids = token_ids[:-1] if hide_last_token else token_ids
-        text, matched = self._text.push(text_ids, final=finish_reason is not None)
+        if len(text_ids) > 1 and self._text.has_stop_strings:
+            text, matched, num_used = self._push_each(text_ids, final=finish_reason is not None)
+            if matched:
+                token_ids = token_ids[:num_used]
+                logprobs = logprobs[:num_used] if logprobs is not None else None
+        else:
+            text, matched = self._text.push(text_ids, final=finish_reason is not None)
+        self.num_output_tokens += len(token_ids)
         if matched:
             finish_reason = FinishReason.STOP
         output = RequestOutput(request_id=self.request_id, token_ids=list(token_ids), text=text,
@@ -75,6 +87,17 @@ class RequestState:
                                num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self._prompt_logprobs)
         self._prompt_logprobs = None  # the prompt is computed once a token is sampled: sent once, here
         return TextDelta(output, matched)
+
+    def _push_each(self, text_ids: tuple[int, ...], final: bool) -> tuple[str, bool, int]:
+        """(text, stop string matched, ids used): the ids pushed one by one until a stop string matches."""
+        pieces = []
+        for index, token_id in enumerate(text_ids):
+            last = index == len(text_ids) - 1
+            text, matched = self._text.push((token_id,), final=final and last)
+            pieces.append(text)
+            if matched:
+                return "".join(pieces), True, index + 1
+        return "".join(pieces), False, len(text_ids)
 
     def final_output(self, finish_reason: FinishReason) -> RequestOutput:
         """The last delta of a request ended outside a step's tokens (abort, error). Never raises: if

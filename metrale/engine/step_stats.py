@@ -1,6 +1,7 @@
 """StepStats: what the engine core sees, turned into EngineMetrics samples (event-loop thread).
 
-Per step: the prompt tokens computed, the tokens generated, time to first token and inter-token
+Per step: the prompt tokens of requests that got their first token (whole prompts, and how many of them the prefix
+cache served: vLLM's prompt_tokens and prompt_tokens_cached), the tokens generated, time to first token and inter-token
 latencies, KV usage and prefix-cache hits; per finished request its phases; the queue gauges. One
 step is `begin(output)`, `tokens(...)` per request that got tokens, then `end(output)`.
 """
@@ -24,22 +25,26 @@ class StepStats:
         self._scheduler = scheduler
         self._prefix_seen = (0, 0)  # the KV manager's (queries, hits) at the last step
         self._num_prompt_tokens = 0
+        self._num_cached_prompt_tokens = 0
         self._num_generated = 0
+        self._groups: dict[str, tuple[int, int]] = {}  # a live group's first id -> (sequences left, longest so far)
         self._ttfts: list[float] = []
         self._itls: list[float] = []
 
     def begin(self, output: SchedulerOutput, states: Mapping[str, RequestState]) -> None:
-        """Stamp first-scheduled times and count the prompt tokens this step computes."""
+        """Stamp first-scheduled times and count the requests this step preempted."""
         now = time.monotonic()
-        self._num_prompt_tokens = self._num_generated = 0
+        self._num_prompt_tokens = self._num_cached_prompt_tokens = self._num_generated = 0
         self._ttfts, self._itls = [], []
         for scheduled in output.scheduled:
             state = states[scheduled.request_id]
             if state.times.first_scheduled is None:
                 state.times.first_scheduled = now
                 state.num_cached_tokens = max(0, self._scheduler.get_request(scheduled.request_id).num_cached_tokens)
-            end = scheduled.start_position + len(scheduled.token_ids)
-            self._num_prompt_tokens += max(0, min(end, state.num_prompt_tokens) - scheduled.start_position)
+        for request_id in output.preempted_request_ids:
+            preempted = states.get(request_id)
+            if preempted is not None:
+                preempted.num_preemptions += 1
 
     def tokens(self, state: RequestState, count: int, now: float) -> None:
         """`count` new tokens of one request this step."""
@@ -47,9 +52,11 @@ class StepStats:
             return
         self._num_generated += count
         times = state.times
-        if times.first_token is None:
+        if times.first_token is None:  # the prompt is done: counted whole, once (a recompute is not counted)
             times.first_token = now
             self._ttfts.append(now - times.arrival)
+            self._num_prompt_tokens += state.num_prompt_tokens
+            self._num_cached_prompt_tokens += min(state.num_cached_tokens, state.num_prompt_tokens)
         else:
             self._itls.append(now - times.last_token)
         times.last_token = now
@@ -72,12 +79,14 @@ class StepStats:
             num_preemptions=len(output.preempted_request_ids),
             prefix_cache_queries=queries - seen_queries,
             prefix_cache_hits=hits - seen_hits,
+            num_cached_prompt_tokens=self._num_cached_prompt_tokens,
         ))
 
     def finished(self, state: RequestState, finish_reason: FinishReason, now: float) -> None:
         times = state.times
         scheduled = times.first_scheduled
         first = times.first_token
+        params_n, longest = self._request_ended(state)
         self.metrics.record_finished(FinishedRequestStats(
             finish_reason=finish_reason,
             e2e_latency_s=now - times.arrival,
@@ -86,8 +95,25 @@ class StepStats:
             decode_time_s=(times.last_token - first) if first is not None else 0.0,
             num_prompt_tokens=state.num_prompt_tokens,
             num_generation_tokens=state.num_output_tokens,
+            inference_time_s=(times.last_token - scheduled) if first is not None and scheduled is not None else 0.0,
+            num_preemptions=state.num_preemptions,
+            max_tokens_param=state.params.max_tokens,
+            params_n=params_n,
+            max_num_generation_tokens=longest,
         ))
         self.refresh_gauges()
+
+    def _request_ended(self, state: RequestState) -> tuple[int | None, int | None]:
+        """(n, its longest sequence) when `state` is the last sequence of its request to end, else (None, None)."""
+        if state.group is None:
+            return 1, state.num_output_tokens
+        head, size = state.group
+        left, longest = self._groups.pop(head, (size, 0))
+        left, longest = left - 1, max(longest, state.num_output_tokens)
+        if left > 0:
+            self._groups[head] = (left, longest)
+            return None, None
+        return size, longest
 
     def refresh_gauges(self) -> None:
         kv = self._scheduler.kv_cache_manager

@@ -19,13 +19,14 @@ from metrale.engine.metrics import EngineMetrics
 from metrale.engine.runner import ModelRunner
 from metrale.engine.startup import TextFrontEnd
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
-from metrale.errors import (EngineUnavailableError, PromptTooLongError, RequestRejectedError,
+from metrale.errors import (EngineUnavailableError, InvalidParamsError, PromptTooLongError, RequestRejectedError,
                             StructuredOutputUnavailableError)
 from metrale.outputs import CompletionResult
 from metrale.sampling.guided import GrammarCompiler, require_llguidance
 from metrale.sampling_params import SamplingParams
 
 OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
+OFF_LOOP_TEXT_PARAMS_CHARS = 256  # more bad words / stop strings are prepared on that thread (prepare)
 Abort = Callable[..., bool]  # AsyncEngine.abort(request_id, channel=...)
 
 
@@ -81,6 +82,8 @@ class Submission:
         return self.inputs.chat_ids(messages, **template_kwargs)
 
     async def prepare(self, params: SamplingParams) -> None:
+        if prepares_text(params):
+            await self._off_loop(self.inputs.prepare, params)
         if params.structured_outputs is not None:
             await self.grammar_compiler().compile(params.structured_outputs)
 
@@ -102,7 +105,11 @@ class Submission:
                                                                 functools.partial(fn, *args, **kwargs))
 
     def _request_params(self, params: SamplingParams | None) -> SamplingParams:
-        params = self.inputs.params(_checked_params(params))
+        params = _checked_params(params)
+        max_num_seqs = self._core.scheduler.config.max_num_seqs
+        if params.n > max_num_seqs:  # before anything is built per sequence
+            raise InvalidParamsError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}", field="n")
+        params = self.inputs.params(params)
         if params.structured_outputs is not None:
             self.grammar_compiler().submit(params.structured_outputs)  # starts compiling now (cached)
         return params
@@ -148,6 +155,12 @@ async def collect_result(stream: RequestStream) -> CompletionResult:
 
 def _abort_channel(abort: Abort) -> Callable[[OutputChannel], bool]:
     return lambda channel: abort(channel.request_id, channel=channel)
+
+
+def prepares_text(params: SamplingParams) -> bool:
+    """True when the bad words and stop strings are long enough to tokenize / compile off the event loop."""
+    chars = sum(map(len, params.bad_words or ())) + sum(map(len, params.stop_strings))
+    return chars > OFF_LOOP_TEXT_PARAMS_CHARS
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams:

@@ -10,7 +10,10 @@ llguidance (the `metrale[structured]` extra) is imported on first use only, so m
 a request that needs it then gets StructuredOutputUnavailableError (400) naming the extra.
 
 Threads: compiling (grammar construction drops the GIL) runs on the compiler's own single-worker pool,
-never on the event loop or the MLX thread; the compiled template is read-only afterwards and only the
+never on the event loop or the MLX thread, on a thread with a COMPILE_STACK_BYTES stack: llguidance
+recurses once per link of a `$ref` or rule chain (~4 KiB each; an 8 MiB stack overflows, SIGSEGV, at
+~2,500 links), and with 64 MiB the chains StructuredOutputs lets through (MAX_REFS, MAX_GRAMMAR_RULES)
+use a tenth of it at most; the compiled template is read-only afterwards and only the
 MLX thread copies it into per-request matchers. A matcher must never be used by two threads at once
 (llguidance raises "Already borrowed"), so every matcher lives on the MLX thread.
 
@@ -45,6 +48,16 @@ EXTRA_HINT = "structured outputs need llguidance: pip install 'metrale[structure
 # indentation of up to 20) fit; endless whitespace, which a weak model can emit forever, does not.
 JSON_OPTIONS = {"whitespace_pattern": r"(?:\n[ \t]{0,20}|[ \t]{0,2})"}
 PARALLEL_FILL_MIN_ROWS = 8  # fill masks on llguidance's thread pool from this many rows (and >= 4 CPUs)
+COMPILE_STACK_BYTES = 64 * 1024 * 1024  # virtual: only the pages a deep grammar touches are committed
+# llguidance's own limits, written out (its defaults): a grammar past them is a 400 when it compiles, or
+# ends its request with an error at the step that crosses one (max_items_in_row, step_*)
+PARSER_LIMITS = {"max_items_in_row": 2000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
+                 "step_max_items": 50_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000}
+# What a cached compiled grammar holds, estimated from its constraint's text: a 362 KiB object schema
+# took RSS up by ~37 MiB on average (~100 bytes per character); small ones hold little.
+COMPILED_BYTES_PER_CHAR = 128
+COMPILED_BASE_BYTES = 64 * 1024
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
 
 def llguidance_available() -> bool:
@@ -145,8 +158,21 @@ class CompiledGrammar:
         return GrammarMatcher(self._template.deep_copy())
 
 
+def estimated_bytes(spec: StructuredOutputs) -> int:
+    """What `spec`'s compiled grammar holds in memory, roughly (the grammar cache's cost of it)."""
+    kind = spec.kind
+    if kind == "choice":
+        chars = sum(len(c) + 3 for c in spec.choice or ())
+    elif kind == "json_object":
+        chars = 0
+    else:
+        chars = len(getattr(spec, kind))
+    return COMPILED_BASE_BYTES + COMPILED_BYTES_PER_CHAR * chars
+
+
 class GrammarCompiler:
-    """Compiles constraints on its own thread, caching them by StructuredOutputs.key (LRU).
+    """Compiles constraints on its own thread, caching them by StructuredOutputs.key (LRU), within
+    `cache_bytes` of compiled grammars (estimated_bytes) and `cache_size` entries.
 
     `tokenizer_json` returns the model's Hugging Face tokenizer.json text (called once, on the pool
     thread); `n_vocab` is the width of the masks (the logits' width, or the tokenizer's vocabulary
@@ -154,7 +180,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer_json: Callable[[], str], n_vocab: int, eos_token_ids: Sequence[int], *,
-                 cache_size: int = 256) -> None:
+                 cache_size: int = 256, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if not eos_token_ids:
             raise ValueError("GrammarCompiler needs at least one eos token id")
         self.n_vocab = n_vocab
@@ -162,9 +188,12 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer_json = tokenizer_json
         self._cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, Any], Future[CompiledGrammar]] = OrderedDict()
+        self._cache_bytes = cache_bytes
+        # key -> (future, estimated bytes); cache_used_bytes is the sum of the estimates
+        self._cache: OrderedDict[tuple[str, Any], tuple[Future[CompiledGrammar], int]] = OrderedDict()
+        self.cache_used_bytes = 0
         self._lock = threading.Lock()  # the event loop and the MLX thread both submit
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-grammar")
+        self._pool = _pool_with_stack(COMPILE_STACK_BYTES, "metrale-grammar")
         self._lltokenizer: Any = None  # built on the pool thread at the first compile
         self._executor: Any = None  # llguidance.LLExecutor for parallel mask fills, made on first use
 
@@ -177,15 +206,29 @@ class GrammarCompiler:
         require_llguidance()
         key = spec.key
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not future.cancelled():
+            entry = self._cache.get(key)
+            if entry is not None and not entry[0].cancelled():
                 self._cache.move_to_end(key)
-                return future
+                return entry[0]
+            if entry is not None:
+                self._evict(key)
             future = self._pool.submit(self._compile, spec)
-            self._cache[key] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            cost = estimated_bytes(spec)
+            self._cache[key] = (future, cost)
+            self.cache_used_bytes += cost
+            while len(self._cache) > 1 and (len(self._cache) > self._cache_size
+                                            or self.cache_used_bytes > self._cache_bytes):
+                self._evict(next(iter(self._cache)))  # the least recently used
             return future
+
+    def _evict(self, key: tuple[str, Any]) -> None:
+        _, cost = self._cache.pop(key)
+        self.cache_used_bytes -= cost
+
+    @property
+    def num_cached(self) -> int:
+        """Constraints in the cache (compiled, compiling or failed)."""
+        return len(self._cache)
 
     async def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """Await `spec`'s compiled grammar (raises InvalidStructuredOutputError for a bad constraint).
@@ -215,8 +258,10 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         from llguidance import LLMatcher
 
+        from llguidance import LLParserLimits
+
         grammar = grammar_text(spec)
-        template = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        template = LLMatcher(self._tokenizer(), grammar, log_level=0, limits=LLParserLimits(**PARSER_LIMITS))
         if template.is_error():
             raise InvalidStructuredOutputError(f"structured_outputs.{spec.kind}: {template.get_error()}")
         return CompiledGrammar(spec, template)
@@ -230,3 +275,15 @@ class GrammarCompiler:
                                             eos_token=list(self.eos_token_ids))
             logger.info("grammar tokenizer ready: %d tokens, eos %s", self.n_vocab, self.eos_token_ids)
         return self._lltokenizer
+
+
+def _pool_with_stack(stack_bytes: int, name: str) -> ThreadPoolExecutor:
+    """A one-thread pool whose thread has a `stack_bytes` stack (threading.stack_size applies to threads
+    started while it is set: the pool's thread is started here, at once, and the size restored)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    previous = threading.stack_size(stack_bytes)
+    try:
+        pool.submit(int).result()
+    finally:
+        threading.stack_size(previous)
+    return pool

@@ -207,13 +207,7 @@ def _arguments(text: str) -> Any:
 
 
 async def _full_response(message: _Message, stream: Any, send: Send) -> None:
-    try:
-        async for out in stream:
-            message.feed(out)
-    except RequestFailedError as error:
-        raise APIError(500, str(error), code="request_failed") from error
-    if message.last is None or message.last.finish_reason == "abort":
-        raise APIError(503, completions.ABORTED, code="aborted")
+    await completions.read_whole(stream, message.feed)
     await send_json(send, 200, message.body())
 
 

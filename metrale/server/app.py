@@ -5,12 +5,17 @@
     GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
                                  what routers read from a replica: see worker_api.py
     GET  /v1/models[/{id}]       the one served model
+    GET  /openapi.json           the routes and request bodies as OpenAPI 3.1 (see openapi.py)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
     POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
     POST /tokenize /detokenize   vLLM's token routes: see tokenize.py
     GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
+
+Before any route: a Host this server does not answer (hosts.py, DNS rebinding) or an Origin that may
+not call it (cors.py) is a 403; with an API key, every route but /health and /metrics needs it; POST
+bodies must be JSON (415 otherwise: no preflight-free text/plain or form bodies).
 
 Hand-written rather than a framework: a dozen routes, msgspec bodies, and direct control of the
 ASGI `receive` channel, which the disconnect watcher needs. With `manage_engine` the app starts the
@@ -21,7 +26,6 @@ shuts it down at lifespan shutdown.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any, Callable
@@ -29,11 +33,14 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, ollama, responses, tokenize, worker_api
-from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, send_bytes,
-                                 send_error, send_json)
+from metrale.server import anthropic, completions, ollama, openapi, responses, tokenize, worker_api
+from metrale.server.access import AccessControl, MethodNotAllowed
+from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
+                                 send_bytes, send_error, send_json)
 from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
+from metrale.server.unknown_fields import UnknownFields
+from metrale.server.hosts import HostPolicy
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -45,7 +52,7 @@ class ServerApp:
     """ASGI app serving `engine` (any metrale.engine.protocol.EngineClient, e.g. an AsyncEngine) over
     OpenAI's HTTP API.
 
-    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>` (/health, /metrics stay open).
+    api_key: when set, every route but /health and /metrics requires `Authorization: Bearer <api_key>`.
     served_model_name: the model id clients use; the engine's model name by default.
     model_aliases: other model ids requests may name (answered as the served model), e.g. "unknown",
         which sglang-router sends for a chat request without "model".
@@ -56,7 +63,10 @@ class ServerApp:
         what the engine reads from the model's chat template.
     reasoning_parser: how the model marks its reasoning (a metrale.text.reasoning format, or "none" to
         leave it in content); by default what the engine reads from the chat template.
-    allowed_origins: origins browsers may call the API from ("*" for any; see cors.py).
+    allowed_origins: origins browsers may call the API from ("*" for any; see cors.py); others get 403.
+    allowed_hosts: the Host headers answered (hosts.py); by default loopback names and IP addresses.
+    vllm_metric_aliases: also serve the scheduler gauges under vLLM's names on /metrics (worker_api.py), for
+        routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
     """
@@ -66,7 +76,8 @@ class ServerApp:
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
-                 reasoning_parser: str | None = None, on_fatal: Callable[[], None] | None = None) -> None:
+                 reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
+                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -76,18 +87,28 @@ class ServerApp:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.cors = CorsPolicy(tuple(allowed_origins))
+        self.access = AccessControl(api_key, self.cors, allowed_hosts if allowed_hosts is not None else HostPolicy())
         self.on_fatal = on_fatal
+        self.vllm_metric_aliases = vllm_metric_aliases
         self.startup_error: BaseException | None = None
-        self._api_key = api_key.encode() if api_key else None
         self._served_model_name = served_model_name
         self.model_aliases = tuple(model_aliases)
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
+        self._unknown_fields: UnknownFields | None = None
+        self._openapi_document: dict[str, Any] | None = None
 
     @property
     def model_name(self) -> str:
         return self._served_model_name or self.engine.model_name
+
+    @property
+    def unknown_fields(self) -> UnknownFields:
+        """Counts the request fields no struct declares (made on first use: the model name is known by then)."""
+        if self._unknown_fields is None:
+            self._unknown_fields = UnknownFields(self.model_name)
+        return self._unknown_fields
 
     def health(self) -> str:
         """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
@@ -115,6 +136,9 @@ class ServerApp:
             raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self.access.refusal(scope)
+        if refusal is not None:  # no CORS headers: the page learns nothing
+            return await send_error(send, refusal)
         started = False
         cors_headers = self.cors.response_headers(scope) if self.cors else []
         if self.cors and self.cors.is_preflight(scope):
@@ -149,74 +173,63 @@ class ServerApp:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        self.access.authenticate(scope)
         if path == "/health":
-            return await self._only(method, "GET", self._health(send))
+            return await self._only(scope, self._health(send))
         if path == "/metrics":
-            return await self._only(method, "GET", self._metrics(send))
+            return await self._only(scope, self._metrics(send))
         if path in worker_api.INFO_PATHS:
-            return await self._only(method, "GET", self._worker_info(path, send))
+            return await self._only(scope, self._worker_info(path, send))
+        if path == "/openapi.json":
+            return await self._only(scope, send_json(send, 200, self._openapi()))
         if path in tokenize.PATHS:
-            self._authenticate(scope)
-            if method != "POST":
-                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
-            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            body = await self._json_body(scope, receive)
             return await tokenize.handle(self.engine, self.model_name, path, body, send,
                                          model_aliases=self.model_aliases)
         if ollama.serves(path):
-            self._authenticate(scope)
-            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s) if method == "POST" else b""
+            body = await self._json_body(scope, receive) if method == "POST" else b""
             return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
                                        request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
                                        model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
-        self._authenticate(scope)
         if path in anthropic.PATHS:
-            if method != "POST":
-                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
-            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            body = await self._json_body(scope, receive)
             return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
                                           request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
                                           model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
-            if method != "POST":
-                raise APIError(405, f"{path} accepts POST, not {method}", code="method_not_allowed")
-            body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+            body = await self._json_body(scope, receive)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
                        "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
-                       "reasoning_parser": self.reasoning_parser}
+                       "reasoning_parser": self.reasoning_parser, "unknown_fields": self.unknown_fields}
             if path == RESPONSES_PATH:
                 return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
                                             send, receive, **options)
         if path == "/v1/models":
-            return await self._only(method, "GET", send_json(send, 200, {"object": "list",
-                                                                         "data": [self._model_card()]}))
+            return await self._only(scope, send_json(send, 200, {"object": "list", "data": [self._model_card()]}))
         if path.startswith("/v1/models/"):
             model = path.removeprefix("/v1/models/")
             if model != self.model_name and model not in self.model_aliases:
                 raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-            return await self._only(method, "GET", send_json(send, 200, self._model_card()))
+            return await self._only(scope, send_json(send, 200, self._model_card()))
         raise APIError(404, f"no route for {path}", code="not_found")
 
     @staticmethod
-    async def _only(method: str, allowed: str, response: Any) -> None:
-        if method != allowed:
+    async def _only(scope: Scope, response: Any) -> None:
+        """Send a GET route's `response` (a coroutine), or a 405 for any other method."""
+        if scope["method"] != "GET":
             response.close()  # never awaited: release the coroutine
-            raise APIError(405, f"method {method} not allowed; use {allowed}", code="method_not_allowed")
+            raise MethodNotAllowed(scope["path"], scope["method"], "GET")
         await response
 
-    def _authenticate(self, scope: Scope) -> None:
-        if self._api_key is None:
-            return
-        for key, value in scope["headers"]:
-            if key == b"authorization" and value.startswith(b"Bearer ") and \
-                    hmac.compare_digest(value[len(b"Bearer "):], self._api_key):
-                return
-            if key == b"x-api-key" and hmac.compare_digest(value, self._api_key):  # Anthropic's clients
-                return
-        raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                       code="invalid_api_key")
+    async def _json_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The body of a POST route: 405 for another method, 415 unless declared JSON, 413 / 408 (read_body)."""
+        if scope["method"] != "POST":
+            raise MethodNotAllowed(scope["path"], scope["method"], "POST")
+        require_json(scope)
+        return await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
 
     async def _health(self, send: Send) -> None:
         state = self.health()
@@ -228,8 +241,8 @@ class ServerApp:
         return self.startup_error is None and self.engine.max_model_len > 0
 
     async def _metrics(self, send: Send) -> None:
-        body = self.engine.metrics_exposition()
-        if self._started:
+        body = self.engine.metrics_exposition() + self.unknown_fields.exposition()
+        if self.vllm_metric_aliases and self._started:
             body += worker_api.vllm_gauges(self.engine.stats(), self.model_name)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
@@ -244,6 +257,11 @@ class ServerApp:
         else:
             body = worker_api.load(self.engine.stats(), info)
         await send_json(send, 200, body)
+
+    def _openapi(self) -> dict[str, Any]:
+        if self._openapi_document is None:
+            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
+        return self._openapi_document
 
     def _model_card(self) -> dict[str, Any]:
         """vLLM's model card, with the other ids requests may use for the model (answered as it)."""

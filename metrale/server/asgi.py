@@ -42,15 +42,36 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+MAX_REQUEST_ID_CHARS = 128
+# Printable ASCII without spaces (no forged log lines): X-Request-Id and the body's request_id.
+# "(?!\\n)": Python's $ also matches before a final newline.
+REQUEST_ID_PATTERN = "^[!-~]+$(?!\\n)"
+
+
 def client_request_id(scope: Scope) -> str | None:
     """The client's X-Request-Id (printable ASCII, at most 128 characters), or None; 400 if malformed."""
     value = header(scope, b"x-request-id")
     if value is None:
         return None
-    if not value or len(value) > 128 or not all(0x21 <= b < 0x7F for b in value):
-        raise APIError(400, "X-Request-Id must be 1 to 128 printable ASCII characters without spaces",
-                       param="x-request-id", reject_reason="invalid_request")
+    if not value or len(value) > MAX_REQUEST_ID_CHARS or not all(0x21 <= b < 0x7F for b in value):
+        raise APIError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                       "without spaces", param="x-request-id", reject_reason="invalid_request")
     return value.decode()
+
+
+def require_json(scope: Scope) -> None:
+    """415 unless the body is declared JSON (application/json, any +json type) or not declared at all.
+
+    text/plain, form and multipart bodies are what a web page may POST without a CORS preflight: they are
+    never parsed as JSON."""
+    declared = header(scope, b"content-type")
+    if declared is None:
+        return
+    media_type = declared.partition(b";")[0].strip().lower()
+    if media_type != b"application/json" and not (media_type.startswith(b"application/")
+                                                   and media_type.endswith(b"+json")):
+        raise APIError(415, f"Content-Type must be application/json, got {declared[:60].decode('latin-1')!r}",
+                       param="content-type", code="unsupported_media_type", reject_reason="invalid_request")
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float | None = None) -> bytes:

@@ -25,6 +25,7 @@ from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
 from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
+from metrale.server.hosts import HostPolicy, parse_allowed_hosts
 from metrale.settings import RuntimeSettings
 from metrale.text.output_parsing import CHOOSABLE
 
@@ -86,10 +87,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                            "(e.g. --host 127.0.0.1 --host ::1), all on --port")
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                      help="CORS: a comma list of origins browsers may call the API from, or * (default: none); "
-                           "the API key is still required")
+                      help="CORS: a comma list of origins browsers may call the API from, or * (default: none; "
+                           "requests from other origins get 403); the API key is still required")
+    http.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                      help="Host headers answered (DNS rebinding): a comma list of names and *.domain patterns, "
+                           "or * for any; IP addresses, localhost and --host names always pass (default: those "
+                           "only when listening on loopback, any Host otherwise)")
     http.add_argument("--api-key", default=None,
-                      help="require this bearer token on /v1/* (default: $METRALE_API_KEY)")
+                      help="require this bearer token on every route but /health and /metrics "
+                           "(default: $METRALE_API_KEY)")
     http.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's)")
     http.add_argument("--model-alias", action="append", default=None, metavar="NAME",
                       help="another model id requests may name, answered as the served model (repeatable); "
@@ -111,6 +117,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--tool-call-parser", default=None, choices=CHOOSABLE,
                       help="how the model writes tool calls (default: read from its chat template; \"generic\" "
                            "when it shows none)")
+    http.add_argument("--vllm-metric-aliases", action="store_true",
+                      help="also serve vllm:num_requests_running|waiting and vllm:kv_cache_usage_perc on /metrics, "
+                           "for routers and gateways that read vLLM's names (metrale fleet turns it on)")
     http.add_argument("--reasoning-parser", default=None, choices=(*REASONING_FORMATS, "none"),
                       help="how the model marks its reasoning, split into reasoning_content (default: read "
                            "from its chat template; \"none\" leaves it in content)")
@@ -231,6 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = RuntimeSettings.resolve(engine_cfg, api_key=args.api_key)
         origins = parse_origins(args.allowed_origins)
         hosts = listen_hosts(args.host)
+        host_policy = HostPolicy.for_listen(hosts, parse_allowed_hosts(args.allowed_hosts))
     except ValueError as error:  # a bad flag value: say which, no traceback
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 2
@@ -245,8 +255,10 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    allowed_origins=origins)
-    config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto", http=deadline_protocol(args.header_timeout),
+                    allowed_origins=origins, allowed_hosts=host_policy,
+                    vllm_metric_aliases=args.vllm_metric_aliases)
+    config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto",
+                            http=deadline_protocol(args.header_timeout),
                             lifespan="on",
                             access_log=args.access_log, timeout_graceful_shutdown=5,
                             log_level="info", log_config=None)

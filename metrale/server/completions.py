@@ -1,6 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: one request -> one engine stream -> JSON or SSE.
 
     body --decode/validate--> SamplingParams --engine.generate/chat--> RequestStream
+         (a list of prompts: one engine request per prompt, read as one PromptBatchStream)
          -> non-streaming: collect deltas, one JSON body      -> streaming: one SSE chunk per delta
     the client disconnects at any point -> the handler task is cancelled -> stream.aclose() aborts
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -26,7 +27,9 @@ from metrale.outputs import RequestOutput, TokenLogprob
 from metrale.server import logprobs as lp
 from metrale.server import chat_output, protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
-from metrale.server.errors import APIError, from_engine_error
+from metrale.server.errors import APIError, bad_request, from_engine_error
+from metrale.server.prompt_batch import PromptBatchStream
+from metrale.server.unknown_fields import UnknownFields
 from metrale.engine.protocol import EngineClient
 
 try:
@@ -49,12 +52,13 @@ class _Call:
     include_usage: bool
     logprobs: int | None  # None: not requested
     plan: chat_output.OutputPlan | None = None  # chat with reasoning or tool parsing (metrale.server.chat_output)
-    n: int = 1  # choices
+    n: int = 1  # choices: n_per_prompt for each prompt
     echo: str | None = None  # completions with echo: the prompt text each choice starts with
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top alternatives), None: not requested
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far on every chunk
     prompt_tail: str = ""  # the prompt's last tokens as text: where a reasoning block stands
+    n_per_prompt: int = 0  # the request's n when it has a list of prompts (0: one prompt, n_per_prompt == n)
 
     def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -102,14 +106,18 @@ class _Choice:
 async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
                  tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, unknown_fields: UnknownFields | None = None) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
     `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
     field, which also makes the response id), else the response id.
     `tool_call_format` overrides the format the engine reads from the model's chat template, and
     `reasoning_parser` its reasoning format ("none": reasoning stays in content);
-    `model_aliases` are other model ids answered as the served one."""
-    request = protocol.decode(body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+    `model_aliases` are other model ids answered as the served one; `unknown_fields` counts the body's fields that
+    no struct declares."""
+    kind = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
+    request = protocol.decode(body, kind)
+    if unknown_fields is not None:
+        unknown_fields.check(body, kind, "/v1/chat/completions" if chat else "/v1/completions")
     call, stream = await open_stream(engine, served_model, request, default_max_tokens=default_max_tokens,
                                      request_id=request_id, tool_call_format=tool_call_format,
                                      model_aliases=model_aliases, reasoning_parser=reasoning_parser or "auto")
@@ -149,7 +157,10 @@ async def open_stream(engine: EngineClient, served_model: str,
         if chat:
             prompt_ids = await _chat_prompt_ids(engine, request, plan, model_format)
         else:
-            prompt = protocol.completion_prompt(request)
+            prompts = protocol.completion_prompts(request)
+            if len(prompts) > 1:
+                return await _open_batch(engine, model, request, params, prompts, request_id)
+            prompt = prompts[0]
             prompt_ids = await engine.prompt_token_ids(prompt)
         echo = None
         if not chat and request.echo:
@@ -162,6 +173,32 @@ async def open_stream(engine: EngineClient, served_model: str,
                      prompt_tail=chat_output.prompt_tail(engine, prompt_ids) if output is not None else "")
         stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
     return call, stream
+
+
+async def _open_batch(engine: EngineClient, model: str, request: protocol.CompletionRequest, params: Any,
+                      prompts: list[str | list[int]], request_id: str | None) -> tuple[_Call, PromptBatchStream]:
+    """A list of prompts: every prompt tokenized (off the event loop when long) before any is submitted, then
+    one engine request per prompt, `{id}-{i}`; one submit refused closes those already queued."""
+    for field in ("echo", "prompt_logprobs"):
+        if getattr(request, field) is not None and getattr(request, field) is not False:  # 0 asks too
+            raise bad_request(f"{field} is not supported with a list of prompts; send one request per prompt",
+                              field)
+    prompt_ids = [await engine.prompt_token_ids(prompt) for prompt in prompts]
+    options = request.stream_options
+    call = _Call(False, f"cmpl-{request.request_id or uuid.uuid4().hex}", int(time.time()), model,
+                 options is not None and (options.include_usage or options.continuous_usage_stats),
+                 params.logprobs, n=params.n * len(prompts), n_per_prompt=params.n,
+                 continuous_usage=options is not None and options.continuous_usage_stats)
+    base_id = request_id or request.request_id or call.id
+    streams: list[Any] = []
+    try:
+        for i, ids in enumerate(prompt_ids):
+            streams.append(engine.generate(ids, params, request_id=f"{base_id}-{i}"))
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return call, PromptBatchStream(streams, params.n)
 
 
 async def prompt_token_ids(engine: EngineClient, request: protocol.ChatCompletionRequest) -> list[int]:
@@ -194,6 +231,21 @@ async def _chat_prompt_ids(engine: EngineClient, request: protocol.ChatCompletio
                                        **protocol.template_kwargs(request))
 
 
+async def read_whole(stream: Any, feed: Callable[[RequestOutput], Any]) -> RequestOutput:
+    """Feed every delta of a non-streamed response to `feed`; the last delta. A failed request is a 500, an
+    aborted one a 503 (the Anthropic and Ollama routes answer this way too)."""
+    last = None
+    try:
+        async for out in stream:
+            feed(out)
+            last = out
+    except RequestFailedError as error:
+        raise APIError(500, str(error), code="request_failed") from error
+    if last is None or last.finish_reason == "abort":
+        raise APIError(503, ABORTED, code="aborted")
+    return last
+
+
 async def prepare_params(engine: EngineClient, params: Any, source: str) -> None:
     """Compile the request's grammar off the event loop; a bad one is a 400 naming its field."""
     try:
@@ -218,7 +270,7 @@ async def _full_response(engine: EngineClient, call: _Call, stream: Any, send: S
     if any(c.last is None or c.last.finish_reason == "abort" for c in choices):
         raise APIError(503, ABORTED, code="aborted")
     body = {**call.envelope(chunk=False), "choices": [c.render(engine, call, prompt_logprobs) for c in choices],
-            "usage": _usage([c.last for c in choices])}
+            "usage": _usage(choices, call)}
     if call.chat and call.prompt_logprobs is not None:  # vLLM puts a chat response's at the top level
         body["prompt_logprobs"] = lp.render_prompt(engine, prompt_logprobs, call.prompt_logprobs)
     await send_json(send, 200, body)
@@ -239,7 +291,7 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
             if out.finish_reason in ("abort", "error"):
                 continue  # abort: reported below; error: the stream raises next
             if out.text or out.finish_reason is not None or out.logprobs or (call.echo is not None and not choice.echoed):
-                usage = _usage_so_far(choices) if call.continuous_usage else None
+                usage = _usage(choices, call) if call.continuous_usage else None
                 await _send_delta(engine, sse, call, choice, out, prompt_logprobs, usage)
     except RequestFailedError as error:
         failed = True
@@ -248,7 +300,7 @@ async def _stream_response(engine: EngineClient, call: _Call, stream: Any, send:
         if any(c.last is None or c.last.finish_reason == "abort" for c in choices):
             await sse.event(APIError(503, ABORTED, code="aborted").body())
         elif call.include_usage:
-            await sse.event({**call.envelope(chunk=True), "choices": [], "usage": _usage([c.last for c in choices])})
+            await sse.event({**call.envelope(chunk=True), "choices": [], "usage": _usage(choices, call)})
     await sse.done()
 
 
@@ -308,14 +360,16 @@ def _chunk(call: _Call, index: int, content: Any, finish_reason: str | None, log
     return chunk
 
 
-def _usage_so_far(choices: list[_Choice]) -> dict[str, Any]:
-    """The usage of the choices' deltas seen so far (vLLM's continuous_usage_stats)."""
-    return _usage([c.last for c in choices if c.last is not None])
-
-
-def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:
-    """The prompt counted once for all choices; the completion tokens of every choice."""
-    num_prompt = lasts[0].num_prompt_tokens
-    num_output = sum(out.num_output_tokens for out in lasts)
+def _usage(choices: list[_Choice], call: _Call) -> dict[str, Any]:
+    """The usage of the deltas seen so far (all of them once every choice finished): each prompt counted once
+    for its n choices, summed over the prompts; the completion tokens of every choice."""
+    per_prompt = call.n_per_prompt or call.n
+    num_prompt = num_cached = num_output = 0
+    for start in range(0, len(choices), per_prompt):
+        seen = [c.last for c in choices[start:start + per_prompt] if c.last is not None]
+        if seen:
+            num_prompt += seen[0].num_prompt_tokens
+            num_cached += seen[0].num_cached_tokens
+        num_output += sum(out.num_output_tokens for out in seen)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
-            "prompt_tokens_details": {"cached_tokens": lasts[0].num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": num_cached}}

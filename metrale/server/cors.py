@@ -5,8 +5,10 @@
 A cross-origin request from an allowed origin gets `access-control-allow-origin` (the origin itself,
 with `vary: origin`, or `*`) on every response, errors included, so the page can read them. A
 preflight (OPTIONS with access-control-request-method) is answered 204 here, before authentication:
-browsers never send credentials on it. The actual request still needs the API key. Requests from
-other origins get no CORS headers (the browser then hides the response); a preflight from one is 403.
+browsers never send credentials on it. The actual request still needs the API key. A request from any
+other origin is refused with a 403 before it is read (`refuses`), on every route: without it, a page's
+`fetch` would still run (the browser only hides the answer). The server's own origin (an Origin that
+names the request's Host, as a browser sends on a same-origin POST) is always allowed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class CorsPolicy:
 
     def allows(self, origin: bytes) -> bool:
         return self.any_origin or origin in self.origins
+
+    def refuses(self, scope: Scope) -> bool:
+        """Whether the request comes from a web page of an origin that may not call the API."""
+        origin = header(scope, b"origin")
+        if origin is None or self.allows(origin):
+            return False
+        host = header(scope, b"host")
+        return host is None or origin.partition(b"://")[2].lower() != host.lower()
 
     def is_preflight(self, scope: Scope) -> bool:
         return scope["method"] == "OPTIONS" and header(scope, b"access-control-request-method") is not None

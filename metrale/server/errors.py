@@ -26,8 +26,9 @@ import msgspec
 
 from metrale.errors import EngineUnavailableError, QueueFullError, RequestRejectedError
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
 _MSGSPEC_PATH = re.compile(r"at `\$\.?([^`]*)`")
 _UNAVAILABLE = {"draining": "server is shutting down and accepts no new requests",

@@ -81,7 +81,8 @@ def add_fleet_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def replica_argv(args: argparse.Namespace, port: int) -> list[str]:
     """`metrale serve` arguments of one replica: every serve option given to the fleet (the API key
-    goes by environment), on 127.0.0.1:`port`, answering the router's placeholder model id too."""
+    goes by environment), on 127.0.0.1:`port`, answering the router's placeholder model id too and serving
+    vLLM's gauge names on /metrics for the router."""
     argv = ["serve", "--host", "127.0.0.1", "--port", str(port)]
     for action in _serve_actions():
         value = getattr(args, action.dest)
@@ -94,6 +95,8 @@ def replica_argv(args: argparse.Namespace, port: int) -> list[str]:
             argv += [token for item in (value if isinstance(value, list) else [value]) for token in (flag, str(item))]
     if ROUTER_MODEL_PLACEHOLDER not in (args.model_alias or ()):
         argv += ["--model-alias", ROUTER_MODEL_PLACEHOLDER]
+    if not args.vllm_metric_aliases:  # what routers read from a replica's /metrics
+        argv.append("--vllm-metric-aliases")
     return argv
 
 

@@ -30,6 +30,7 @@ from metrale.outputs import RequestOutput
 from metrale.server import completions, protocol
 from metrale.server import ollama_protocol as op
 from metrale.server.asgi import Receive, Send, run_until_disconnect, send_bytes, send_json
+from metrale.server.access import MethodNotAllowed
 from metrale.server.errors import APIError
 
 # The Ollama API version this surface follows; clients compare it to decide which fields to send.
@@ -49,14 +50,18 @@ async def handle(engine: EngineClient, served_model: str, method: str, path: str
                  model_aliases: tuple[str, ...] = (), reasoning_parser: str | None = None) -> None:
     """Serve one Ollama API request; anything refused is `{"error": ...}` with the OpenAI routes' status."""
     try:
-        if path == "/" and method in ("GET", "HEAD"):
+        if path == "/":
+            if method not in ("GET", "HEAD"):
+                raise MethodNotAllowed(path, method, "GET, HEAD")
             return await send_bytes(send, 200, b"Ollama is running", [(b"content-type", b"text/plain")])
         if engine.max_model_len == 0:
             raise APIError(503, "model is loading; retry shortly", code="loading")
-        if method == "GET" and path in _READS:
+        if path in _READS:
+            if method != "GET":
+                raise MethodNotAllowed(path, method, "GET")
             return await send_json(send, 200, _READS[path](engine, served_model))
         if method != "POST":
-            raise APIError(405, f"{path} does not accept {method}", code="method_not_allowed")
+            raise MethodNotAllowed(path, method, "POST")
         if path == "/api/show":
             request = protocol.decode(body, op.ModelRequest)
             protocol.model_or_404(op.model_name(request.model_name), served_model, model_aliases)
@@ -169,13 +174,7 @@ def _now() -> str:
 
 
 async def _full_response(answer: _Answer, stream: Any, send: Send) -> None:
-    try:
-        async for out in stream:
-            answer.feed(out)
-    except RequestFailedError as error:
-        raise APIError(500, str(error), code="request_failed") from error
-    if answer.last is None or answer.last.finish_reason == "abort":
-        raise APIError(503, completions.ABORTED, code="aborted")
+    await completions.read_whole(stream, answer.feed)
     await send_json(send, 200, answer.final("".join(answer.text), "".join(answer.thinking)))
 
 

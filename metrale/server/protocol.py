@@ -1,7 +1,8 @@
 """OpenAI request bodies (msgspec Structs) and their translation into engine arguments.
 
-Unknown fields are ignored, as OpenAI clients send many; fields metrale does not implement are
-refused with a 400 naming them, never silently dropped. Non-OpenAI sampling knobs (top_k, min_p,
+Unknown fields are ignored, as OpenAI clients send many, but counted and warned about once per name
+(metrale.server.unknown_fields); fields metrale does not implement are refused with a 400 naming them,
+never silently dropped. Non-OpenAI sampling knobs (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, and vLLM's
 allowed_token_ids, bad_words, structured_outputs, guided_*) are read from the top level, where the
 openai client's `extra_body` puts them. Token masks and structured outputs are mapped in
@@ -18,9 +19,15 @@ import msgspec
 
 from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
+from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from metrale.server.errors import APIError, bad_request, from_decode_error, request_field
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# The body's request_id, bounded like X-Request-Id (it names log lines and the response id)
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
+                                        description="printable ASCII without spaces, like X-Request-Id")]
+MAX_N = 128  # choices per request, OpenAI's own limit: n sizes per-sequence work before any other check
+ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -59,6 +66,18 @@ class _Refusable(msgspec.Struct, kw_only=True):
     priority: Any = None
     prompt_embeds: Any = None
     add_special_tokens: Any = None
+    watermarking: Any = None
+    truncation_side: Any = None
+    logprob_token_ids: Any = None
+    return_weight_versions: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    ec_transfer_params: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
 
 
 class _SamplingFields(_Refusable, kw_only=True):
@@ -67,7 +86,7 @@ class _SamplingFields(_Refusable, kw_only=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int64 = 1
+    n: ChoiceCount = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
@@ -92,9 +111,10 @@ class _SamplingFields(_Refusable, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None  # accepted: an end-user id for the caller's records, it changes nothing here
+    session_id: str | None = None  # vLLM's: accepted like user, a conversation's id; the prefix cache is automatic
     prompt_logprobs: Int64 | None = None
-    request_id: str | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
-    best_of: Int64 | None = None  # honoured when it equals n; more is refused
+    request_id: RequestId | None = None  # vLLM's: names the engine request (and the response id) like X-Request-Id
+    best_of: ChoiceCount | None = None  # honoured when it equals n; more is refused
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -157,6 +177,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     moderation: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
+    media_io_kwargs: Any = None
+    return_prompt_text: Any = None
 
 
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
@@ -179,18 +201,26 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise bad_request("invalid request body: JSON nested too deeply") from error
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completion request: a string or a list of token ids."""
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (OpenAI's batch form); bounded before any work
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: one string or token-id list, or a list of them (OpenAI's batch
+    form, which LangChain's `OpenAI().batch()` sends), at most MAX_PROMPTS, none empty."""
     prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
-            raise bad_request("prompt must be a string or a list of token ids; batched prompts are not "
-                              "supported, send one request per prompt", "prompt")
-    if not prompt:
+    if isinstance(prompt, str) or (prompt and all(type(t) is int for t in prompt)):
+        prompts: list[Any] = [prompt]
+    else:
+        prompts = prompt
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+        for item in prompts:
+            if not isinstance(item, (str, list)) or (isinstance(item, list) and
+                                                     not all(type(t) is int for t in item)):
+                raise bad_request("prompt must be a string, a list of token ids, or a list of either", "prompt")
+    if not prompts or not all(prompts):
         raise bad_request("prompt is empty", "prompt")
-    return prompt
+    return prompts
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:

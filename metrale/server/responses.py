@@ -31,6 +31,7 @@ from metrale.server import chat_output, protocol, tools
 from metrale.server import responses_protocol as rp
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.completions import ABORTED, prepare_params
+from metrale.server.unknown_fields import UnknownFields
 from metrale.server.errors import APIError, from_engine_error
 
 
@@ -92,9 +93,11 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 async def handle(engine: EngineClient, served_model: str, body: bytes, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
                  tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, unknown_fields: UnknownFields | None = None) -> None:
     """Serve one Responses API request; raises APIError for anything refused before the response."""
     request = protocol.decode(body, rp.ResponsesRequest)
+    if unknown_fields is not None:
+        unknown_fields.check(body, rp.ResponsesRequest, "/v1/responses")
     model = protocol.model_or_404(request.model, served_model, model_aliases)
     rp.refuse_unsupported(request)
     params = rp.sampling_params(request, default_max_tokens, engine.sampling_defaults)

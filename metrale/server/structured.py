@@ -103,9 +103,9 @@ def _build(field: str, make: Any, name: str | None = None) -> StructuredOutputs:
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias") from None
-        out[token_id] = value
+        # strictly ASCII decimal: int() would also take "+5", " 5", "1_0" and other scripts' digits
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad_request(f"logit_bias keys must be token ids in decimal digits (0-9), got {key[:20]!r}",
+                              "logit_bias")
+        out[int(key)] = value
     return out

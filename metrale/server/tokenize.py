@@ -19,7 +19,7 @@ import msgspec
 from metrale.engine.protocol import EngineClient
 from metrale.server import completions, protocol
 from metrale.server.asgi import Send, send_json
-from metrale.server.errors import bad_request
+from metrale.server.errors import bad_request, from_decode_error
 
 PATHS = ("/tokenize", "/detokenize")
 
@@ -70,6 +70,9 @@ async def _token_ids(engine: EngineClient, request: TokenizeRequest) -> list[int
     if not request.add_generation_prompt:
         raise bad_request("add_generation_prompt: false is not supported; the messages are rendered as "
                           "/v1/chat/completions renders them", "add_generation_prompt")
-    chat = msgspec.convert({"messages": msgspec.to_builtins(request.messages), "tools": request.tools,
-                            "chat_template_kwargs": request.chat_template_kwargs}, protocol.ChatCompletionRequest)
+    try:  # the chat request's own constraints (e.g. at least one message): a 400, as on /v1/chat/completions
+        chat = msgspec.convert({"messages": msgspec.to_builtins(request.messages), "tools": request.tools,
+                                "chat_template_kwargs": request.chat_template_kwargs}, protocol.ChatCompletionRequest)
+    except msgspec.ValidationError as error:
+        raise from_decode_error(error) from error
     return list(await completions.prompt_token_ids(engine, chat))

@@ -35,6 +35,7 @@ from metrale.text.output_parsing import make_parser
 from metrale.text.tool_parsers import NamedCallParser
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+MAX_ARGUMENTS_DEPTH = 100  # nesting of a history turn's tool-call arguments (the template serializes them recursively)
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -88,11 +89,15 @@ class ToolPlan:
         return make_parser("json_list" if self.choice == "required" else self.fmt, self.tools)  # type: ignore[arg-type]
 
     def _constraint(self, response: dict[str, Any] | None = None) -> StructuredOutputs | None:
-        if self.choice == "named":
-            tool = next(t for t in self.tools if t["function"]["name"] == self.named)
-            return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
-        if self.choice == "required":
-            return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        try:
+            if self.choice == "named":
+                tool = next(t for t in self.tools if t["function"]["name"] == self.named)
+                return StructuredOutputs(json=tool["function"].get("parameters") or EMPTY_PARAMETERS)
+            if self.choice == "required":
+                return StructuredOutputs(json=required_schema(self.tools, self.parallel))
+        except ValueError as error:  # past StructuredOutputs' bounds (size, "$ref" count)
+            message = str(error).removeprefix("structured_outputs.json").removeprefix(":").strip()
+            raise bad_request(f"tools: {message}", "tools") from None
         if self.constrains_output:  # generic
             try:
                 return StructuredOutputs(json=generic_tools.schema(self.tools, self.parallel, response))
@@ -167,19 +172,10 @@ def mistral_id(call_id: Any) -> Any:
 def required_schema(tools: tuple[dict[str, Any], ...], parallel: bool) -> dict[str, Any]:
     """The JSON schema of tool_choice "required": a non-empty list of {"name", "parameters"} calls.
     Each tool's $defs move to the top, where its "#/$defs/..." references look for them."""
-    defs: dict[str, Any] = {}
-    variants = []
-    for tool in tools:
-        function = tool["function"]
-        parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)
-        for key in ("$defs", "definitions"):
-            for name, schema in (parameters.pop(key, None) or {}).items():
-                if defs.get(name, schema) != schema:
-                    raise bad_request(f"tools define $defs {name!r} twice, differently", "tools")
-                defs[name] = schema
-        variants.append({"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                                                          "parameters": parameters},
-                         "required": ["name", "parameters"], "additionalProperties": False})
+    try:
+        variants, defs = generic_tools.call_variants(tools, "parameters")
+    except ValueError as error:
+        raise bad_request(str(error), "tools") from error
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
     if not parallel:
         schema["maxItems"] = 1
@@ -225,10 +221,26 @@ def _decoded_call(index: int, position: int, call: Any) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise bad_request(f"messages[{index}].tool_calls[{position}] must have function.name", "messages")
     arguments = function.get("arguments")
+    where = f"messages[{index}].tool_calls[{position}].function.arguments"
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
-            raise bad_request(f"messages[{index}].tool_calls[{position}].function.arguments is not JSON",
-                              "messages") from None
+            raise bad_request(f"{where} is not JSON", "messages") from None
+        except RecursionError:  # "[[[[..." 100k deep inside the string
+            raise bad_request(f"{where} is nested more than {MAX_ARGUMENTS_DEPTH} deep", "messages") from None
+    if _deeper_than(arguments, MAX_ARGUMENTS_DEPTH):  # the template's tojson would recurse on it
+        raise bad_request(f"{where} is nested more than {MAX_ARGUMENTS_DEPTH} deep", "messages")
     return {**call, "function": {**function, "arguments": arguments if arguments is not None else {}}}
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests lists/objects more than `limit` deep (iterative: any depth is safe)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False

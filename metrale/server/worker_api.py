@@ -2,6 +2,7 @@
 
     GET /server_info, /get_server_info   {"served_model_name", "model_path", ...}   sglang-router, at registration
     GET /model_info,  /get_model_info    {"model_path", "model_type", "is_generation"}
+    (behind the API key when one is set, like every route but /health and /metrics)
     GET /get_load                        [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]
     vLLM-named gauges appended to /metrics (vllm:num_requests_running|waiting, vllm:kv_cache_usage_perc)
 
@@ -29,15 +30,17 @@ VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:k
 
 
 def server_info(served_model_name: str, info: EngineInfo, max_model_len: int) -> dict[str, Any]:
-    """GET /server_info: SGLang's field names where they exist (the router reads the first two)."""
-    return {"served_model_name": served_model_name, "model_path": info.model_path, "model_type": info.model_type,
+    """GET /server_info: SGLang's field names where they exist (the router reads the first two).
+    `model_path` is the served model's name: no response shows a filesystem path."""
+    return {"served_model_name": served_model_name, "model_path": served_model_name, "model_type": info.model_type,
             "dtype": info.dtype, "max_model_len": max_model_len, "kv_block_size": info.kv_block_size,
             "engine": "metrale", "version": __version__}
 
 
 def model_info(served_model_name: str, info: EngineInfo) -> dict[str, Any]:
-    """GET /model_info: the model as SGLang describes it (HF `architectures` are not known for GGUF)."""
-    return {"model_path": info.model_path, "served_model_name": served_model_name, "model_type": info.model_type,
+    """GET /model_info: the model as SGLang describes it (HF `architectures` are not known for GGUF);
+    `model_path` is the served model's name, as in server_info."""
+    return {"model_path": served_model_name, "served_model_name": served_model_name, "model_type": info.model_type,
             "is_generation": True}
 
 

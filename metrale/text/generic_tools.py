@@ -24,10 +24,9 @@ from metrale.text.tool_parsers import JsonListParser
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def schema(tools: Sequence[Mapping[str, Any]], parallel: bool,
-           response: Mapping[str, Any] | bool | None = None) -> dict[str, Any]:
-    """The JSON schema of a generic answer: a call (or, with `parallel`, a list of calls) or a response
-    (a string, or what `response`, the request's response_format schema, describes)."""
+def call_variants(tools: Sequence[Mapping[str, Any]], arguments_key: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One JSON-schema variant per tool, {"name": <its name>, arguments_key: <its parameters>}, and the tools' $defs
+    moved to the top, where their "#/$defs/..." references look for them (ValueError when two differ)."""
     defs: dict[str, Any] = {}
     variants = []
     for tool in tools:
@@ -39,8 +38,16 @@ def schema(tools: Sequence[Mapping[str, Any]], parallel: bool,
                     raise ValueError(f"tools define $defs {name!r} twice, differently")
                 defs[name] = sub
         variants.append({"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                                                          "arguments": parameters},
-                         "required": ["name", "arguments"], "additionalProperties": False})
+                                                          arguments_key: parameters},
+                         "required": ["name", arguments_key], "additionalProperties": False})
+    return variants, defs
+
+
+def schema(tools: Sequence[Mapping[str, Any]], parallel: bool,
+           response: Mapping[str, Any] | bool | None = None) -> dict[str, Any]:
+    """The JSON schema of a generic answer: a call (or, with `parallel`, a list of calls) or a response
+    (a string, or what `response`, the request's response_format schema, describes)."""
+    variants, defs = call_variants(tools, "arguments")
     call = {"anyOf": variants} if len(variants) > 1 else variants[0]
     calls = ({"type": "object", "properties": {"tool_calls": {"type": "array", "minItems": 1, "items": call}},
               "required": ["tool_calls"], "additionalProperties": False} if parallel else

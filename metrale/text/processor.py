@@ -9,6 +9,8 @@ Bad input raises one of metrale.errors' typed rejections and changes nothing. Ne
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,10 +22,11 @@ from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.sampling_params import SamplingParams
 from metrale.text.chat_template import ChatTemplate
 from metrale.text.detokenizer import IncrementalDetokenizer
-from metrale.text.stop import StopStringMatcher
+from metrale.text.stop import StopStringMatcher, compile_stops
 from metrale.text.tokenizer import Tokenizer
 
 __all__ = ["InputProcessor", "OutputProcessor", "RequestText", "bad_words_token_ids"]
+BAD_WORDS_CACHE_SIZE = 64  # distinct bad-word lists kept tokenized
 
 
 class InputProcessor:
@@ -41,6 +44,8 @@ class InputProcessor:
         longest_token = max((len(token) for token in tokenizer.backend.get_vocab()), default=1)
         self.max_prompt_chars = None if max_model_len is None else max_model_len * max(1, longest_token)
         self._failpoints = failpoints
+        self._bad_words_cache: OrderedDict[tuple[str, ...], tuple[tuple[int, ...], ...]] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the event loop and the tokenize thread both use the cache
 
     def check_length(self, text: str) -> None:
         """PromptTooLongError when `text` is certainly longer than the context, before tokenizing."""
@@ -78,8 +83,30 @@ class InputProcessor:
                                           field=name)
         if not params.bad_words:
             return params
-        sequences = bad_words_token_ids(self.tokenizer, params.bad_words)
-        return msgspec.structs.replace(params, bad_words_token_ids=params.bad_words_token_ids + tuple(sequences))
+        sequences = self.bad_words_ids(params.bad_words)
+        return msgspec.structs.replace(params, bad_words_token_ids=params.bad_words_token_ids + sequences)
+
+    def bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """bad_words_token_ids of `words`, from a small cache (`prepare` fills it off the event loop)."""
+        with self._cache_lock:
+            cached = self._bad_words_cache.get(words)
+            if cached is not None:
+                self._bad_words_cache.move_to_end(words)
+                return cached
+        sequences = tuple(bad_words_token_ids(self.tokenizer, words))
+        with self._cache_lock:
+            self._bad_words_cache[words] = sequences
+            while len(self._bad_words_cache) > BAD_WORDS_CACHE_SIZE:
+                self._bad_words_cache.popitem(last=False)
+        return sequences
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Do on this (worker) thread what submitting `params` would do on the caller's: tokenize the bad
+        words and compile the stop strings, into their caches. Bounded by SamplingParams' limits."""
+        if params.bad_words:
+            self.bad_words_ids(params.bad_words)
+        if params.stop_strings:
+            compile_stops(params.stop_strings)
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None,
                  **template_kwargs: Any) -> list[int]:
@@ -128,6 +155,11 @@ class RequestText:
         self._stop_matcher = stop_matcher
         self._request_id = request_id
         self._failpoints = failpoints
+
+    @property
+    def has_stop_strings(self) -> bool:
+        """True when the request has stop strings to match."""
+        return self._stop_matcher is not None
 
     def push(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """Text of new ids, and whether a stop string matched (text after it is dropped). With

@@ -91,8 +91,8 @@ class CallScanner:
 
     def _value_end(self, event: ValueEnd, out: list[ToolCallDelta]) -> None:
         if event.key == "name" and self.name is None:
-            try:
-                name = json.loads(event.raw)
+            try:  # only a string can be a name: a model-written [[[[... 100k deep is never parsed
+                name = json.loads(event.raw) if event.raw.startswith('"') else None
             except ValueError:
                 name = None
             if isinstance(name, str) and name:

@@ -137,3 +137,27 @@ def test_from_dict_and_json_validate_and_name_the_field():
             SamplingParams.from_dict(bad)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams.from_json('{"logprobs": 50}')
+
+
+@pytest.mark.parametrize(("name", "value", "words"), [
+    ("stop", ["s"] * 129, "at most 128 strings, got 129"),  # 150,000 once slowed every stream
+    ("stop", ["s" * 8193], "at most 8192 characters in all, got 8193"),
+    ("stop", ["s" * 4096, "t" * 4097], "at most 8192 characters in all, got 8193"),
+    ("bad_words", ["w"] * 129, "at most 128 strings, got 129"),  # 100,000 once stalled the event loop 3.8 s
+    ("bad_words", ["w" * 8193], "at most 8192 characters in all, got 8193"),
+    ("bad_words_token_ids", [[1]] * 65537, "at most 65536 token ids in all, got 65537 sequences"),
+    ("bad_words_token_ids", [[1] * 40000, [2] * 40000], "at most 65536 token ids in all"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_client_sized_lists_are_bounded(name, value, words):
+    with pytest.raises(ValueError, match=rf"^{name} must hold {re.escape(words)}"):
+        SamplingParams(**{name: value})
+
+
+def test_the_largest_stop_and_bad_word_lists_are_taken():
+    from metrale.sampling_params import MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    params = SamplingParams(stop=["s" * (MAX_STOP_CHARS // MAX_STOP_STRINGS)] * MAX_STOP_STRINGS,
+                            bad_words=["w" * (MAX_BAD_WORDS_CHARS // MAX_BAD_WORDS)] * MAX_BAD_WORDS)
+    assert len(params.stop_strings) == MAX_STOP_STRINGS and len(params.bad_words) == MAX_BAD_WORDS
+    with pytest.raises(ValueError, match=f"stop must hold at most {MAX_STOP_STRINGS} strings, got 150000"):
+        SamplingParams(stop=["x"] * 150_000)

@@ -156,6 +156,14 @@ class FakeEngine:
         self.state = "stopped"
 
 
+
+class WordEngine(FakeEngine):
+    """The scripted engine with a tokenizer for chat: one token per word of the rendered messages."""
+
+    async def chat_token_ids(self, messages: list[dict], tools: list | None = None, **template_kwargs: Any) -> list[int]:
+        text = await super().chat_token_ids(messages, tools, **template_kwargs)
+        return list(range(len(text.split())))
+
 def _out(channel: OutputChannel, ids: list[int], text: str, finish: str | None, n_prompt: int,
          n_out: int) -> RequestOutput:
     return RequestOutput(request_id=channel.request_id, token_ids=ids, text=text, finish_reason=finish,

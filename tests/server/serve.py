@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -35,9 +36,11 @@ def free_port() -> int:
 class ServerProcess:
     """`metrale serve --host 127.0.0.1 --port <free> *args`, ready once /health is 200."""
 
-    def __init__(self, *args: str, startup_timeout_s: float = 240.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, startup_timeout_s: float = 240.0, env: dict[str, str] | None = None,
+                 memory_limit_bytes: int | None = None) -> None:
         self.args = args
         self.env = env or {}
+        self.memory_limit_bytes = memory_limit_bytes  # RLIMIT_AS: a runaway server fails alone, not the machine
         self.port = free_port()
         self.startup_timeout_s = startup_timeout_s
         fd, self.log_path = tempfile.mkstemp(prefix="metrale-serve-", suffix=".log")
@@ -51,7 +54,8 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "metrale.cli", "--log-level", "INFO", "serve", "--host", "127.0.0.1",
                  "--port", str(self.port), *self.args],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                preexec_fn=None if self.memory_limit_bytes is None else self._limit_memory)
         while time.monotonic() - start < self.startup_timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"metrale serve exited with {self.proc.returncode}:\n{self.logs()}")
@@ -64,6 +68,9 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"metrale serve not healthy after {self.startup_timeout_s} s:\n{self.logs()}")
+
+    def _limit_memory(self) -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (self.memory_limit_bytes, self.memory_limit_bytes))
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
         self.stop()

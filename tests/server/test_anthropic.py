@@ -16,15 +16,7 @@ import pytest
 from metrale.server import anthropic_protocol as ap
 from metrale.server.app import ServerApp
 from metrale.server.errors import APIError
-from tests.server.fakes import FakeEngine, call
-
-
-class WordEngine(FakeEngine):
-    """The scripted engine with a tokenizer: one token per word of the rendered messages."""
-
-    async def chat_token_ids(self, messages, tools=None, **template_kwargs):
-        text = await super().chat_token_ids(messages, tools, **template_kwargs)
-        return list(range(len(text.split())))
+from tests.server.fakes import FakeEngine, WordEngine, call
 
 
 @pytest.fixture
@@ -34,8 +26,8 @@ def engine() -> FakeEngine:
 
 def client_for(app: ServerApp, api_key: str = "unused") -> anthropic.AsyncAnthropic:
     transport = httpx2.ASGITransport(app=app)
-    return anthropic.AsyncAnthropic(base_url="http://testserver", api_key=api_key, max_retries=0,
-                                    http_client=httpx2.AsyncClient(transport=transport, base_url="http://testserver"))
+    return anthropic.AsyncAnthropic(base_url="http://localhost", api_key=api_key, max_retries=0,
+                                    http_client=httpx2.AsyncClient(transport=transport, base_url="http://localhost"))
 
 
 async def test_a_message_has_anthropic_shape(engine):

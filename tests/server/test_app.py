@@ -114,14 +114,23 @@ async def test_request_id_names_the_request_and_the_response(app, engine):
     (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, "top_p"),
     (COMPLETIONS, {"prompt": "a", "seed": 2**70}, 400, "seed"),
     (COMPLETIONS, {"prompt": "a", "n": 0}, 400, "n"),
+    (COMPLETIONS, {"prompt": "a", "n": 2**63 - 2}, 400, "n"),  # built n sequences' state first: ran out of memory
+    (CHAT, {"messages": MESSAGES, "n": 129}, 400, "n"),
     (COMPLETIONS, {"prompt": "a", "n": 2, "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "a", "best_of": 2}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "a", "request_id": "ok\nINFO forged log line"}, 400, "request_id"),
+    (COMPLETIONS, {"prompt": "a", "request_id": "abc\n"}, 400, "request_id"),
+    (CHAT, {"messages": MESSAGES, "request_id": "x" * 100_000}, 400, "request_id"),
+    (CHAT, {"messages": MESSAGES, "request_id": "with space"}, 400, "request_id"),
+    (CHAT, {"messages": MESSAGES, "request_id": ""}, 400, "request_id"),
+    *((CHAT, {"messages": MESSAGES, "logit_bias": {key: 1}}, 400, "logit_bias")
+      for key in ("+5", " 5", "5 ", "1_0", "\u0665", "-1", "0x5", "5\n", "1" * 11)),
     (CHAT, {"messages": MESSAGES, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", {"b": 1}]}, 400, "prompt"),  # a list of prompts is fine, not of objects
     (COMPLETIONS, {"prompt": "a", "model": "other"}, 404, "model"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
@@ -182,14 +191,56 @@ async def test_api_key(engine):
     assert (await call(app, "GET", "/metrics")).status == 200
 
 
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("GET", "/v1/models/fake-model"),
+                                              ("POST", CHAT), ("POST", "/v1/responses"), ("GET", "/server_info"),
+                                              ("GET", "/get_model_info"), ("GET", "/get_load"), ("GET", "/nope"),
+                                              ("GET", "/openapi.json"), ("POST", "/v1/messages"),
+                                              ("POST", "/tokenize"), ("GET", "/api/tags"), ("GET", "/")])
+async def test_every_route_but_health_and_metrics_needs_the_key(engine, method, path):
+    app = ServerApp(engine, manage_engine=False, api_key="sekret")
+    r = await call(app, method, path, {"messages": MESSAGES})
+    assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("authorization", ["Bearer sekret", "bearer sekret", "BEARER sekret", "Bearer  sekret"])
+async def test_the_auth_scheme_is_case_insensitive(engine, authorization):
+    app = ServerApp(engine, manage_engine=False, api_key="sekret")
+    assert (await call(app, "GET", "/v1/models", headers={"Authorization": authorization})).status == 200
+
+
+@pytest.mark.parametrize("authorization", ["sekret", "Basic sekret", "Bearer sekret2", "Bearersekret", "Bearer",
+                                           "Bearer sekret extra"])
+async def test_other_credentials_are_refused(engine, authorization):
+    app = ServerApp(engine, manage_engine=False, api_key="sekret")
+    assert (await call(app, "GET", "/v1/models", headers={"Authorization": authorization})).status == 401
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/xml", "text/json"])
+async def test_bodies_not_declared_json_are_415(app, engine, content_type):
+    r = await call(app, "POST", CHAT, {"messages": MESSAGES}, headers={"content-type": content_type})
+    assert r.status == 415 and r.json()["error"]["param"] == "content-type"
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json", "Application/JSON; charset=utf-8",
+                                          "application/vnd.api+json"])
+async def test_json_bodies_are_served(app, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    assert (await call(app, "POST", CHAT, {"messages": MESSAGES, "max_tokens": 1}, headers=headers)).status == 200
+
+
 async def test_routes(app):
     models = (await call(app, "GET", "/v1/models")).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert (await call(app, "GET", "/v1/models/fake-model")).json()["max_model_len"] == 64
     assert (await call(app, "GET", "/v1/models/x")).status == 404
     assert (await call(app, "GET", "/nope")).status == 404
-    assert (await call(app, "GET", COMPLETIONS)).status == 405
-    assert (await call(app, "POST", "/health")).status == 405
+    wrong_method = await call(app, "GET", COMPLETIONS)
+    assert wrong_method.status == 405 and wrong_method.headers["allow"] == "POST"  # RFC 9110
+    wrong_method = await call(app, "DELETE", "/health")
+    assert wrong_method.status == 405 and wrong_method.headers["allow"] == "GET"
     health = await call(app, "GET", "/health")
     assert health.status == 200 and health.json() == {"status": "serving"}
     metrics = await call(app, "GET", "/metrics")
@@ -249,7 +300,7 @@ async def test_a_body_that_never_arrives_is_a_408(engine):
     async def send(message):
         sent.append(message)
 
-    await asyncio.wait_for(app(scope, receive, send), 5)
+    await asyncio.wait_for(app(scope, receive, send), 60)  # a hang guard, not a timing assert
     assert sent[0]["status"] == 408
 
 

@@ -108,3 +108,12 @@ def test_allowed_origins_parse():
     assert parse_origins("*") == ("*",)
     with pytest.raises(ValueError, match="not an origin"):
         parse_origins("a.example")
+
+
+def test_a_bad_allowed_hosts_value_is_an_error_line():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "metrale.cli", "serve", "--allowed-hosts", "http://x.example"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith("metrale serve: error: --allowed-hosts")

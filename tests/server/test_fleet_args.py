@@ -39,7 +39,14 @@ def test_replicas_get_every_serve_option_on_their_own_port():
 
 def test_defaults_are_not_repeated_and_the_alias_is_added_once():
     argv = fleet.replica_argv(fleet_args("--model-alias", "unknown"), 41000)
-    assert argv == ["serve", "--host", "127.0.0.1", "--port", "41000", "--model-alias", "unknown"]
+    assert argv == ["serve", "--host", "127.0.0.1", "--port", "41000", "--model-alias", "unknown",
+                    "--vllm-metric-aliases"]
+    assert fleet.replica_argv(fleet_args("--vllm-metric-aliases"), 41000).count("--vllm-metric-aliases") == 1
+
+
+def test_replicas_serve_vllms_gauge_names_for_the_router():
+    assert serve_args(fleet.replica_argv(fleet_args(), 41000)).vllm_metric_aliases
+    assert not serve_args(["serve"]).vllm_metric_aliases  # off for a plain metrale serve
 
 
 def test_the_api_key_travels_by_environment_not_argv():

@@ -17,15 +17,7 @@ import pytest
 from metrale.server import ollama_protocol as op
 from metrale.server.app import ServerApp
 from metrale.server.errors import APIError
-from tests.server.fakes import FakeEngine, call
-
-
-class WordEngine(FakeEngine):
-    """The scripted engine with a tokenizer: one token per word of the rendered messages."""
-
-    async def chat_token_ids(self, messages, tools=None, **template_kwargs):
-        text = await super().chat_token_ids(messages, tools, **template_kwargs)
-        return list(range(len(text.split())))
+from tests.server.fakes import FakeEngine, WordEngine, call
 
 
 @pytest.fixture
@@ -34,7 +26,7 @@ def engine() -> FakeEngine:
 
 
 def client_for(app: ServerApp, **kwargs) -> ollama.AsyncClient:
-    return ollama.AsyncClient(host="http://testserver", transport=httpx.ASGITransport(app=app), **kwargs)
+    return ollama.AsyncClient(host="http://localhost", transport=httpx.ASGITransport(app=app), **kwargs)
 
 
 async def test_chat_answers_in_ollama_shape(engine):
@@ -187,3 +179,13 @@ async def test_reasoning_is_message_thinking(stream):
     assert "".join(p.message.content for p in parts).strip() == "It is 4."
     generated = await client.generate(model="fake-model", prompt="2+2?", options={"num_predict": len(THINKING)})
     assert (generated.thinking, generated.response.strip()) == ("\nAdd them.\n", "It is 4.")
+
+
+async def test_a_wrong_method_is_a_405_naming_the_right_one(engine):
+    app = ServerApp(engine, manage_engine=False)
+    wrong_get = await call(app, "GET", "/api/chat")
+    wrong_post = await call(app, "POST", "/api/tags", {})
+    assert (wrong_get.status, wrong_get.headers.get("allow")) == (405, "POST")
+    assert (wrong_post.status, wrong_post.headers.get("allow")) == (405, "GET")
+    root = await call(app, "POST", "/", {})
+    assert (root.status, root.headers.get("allow")) == (405, "GET, HEAD")

@@ -5,7 +5,9 @@ Nothing is silently ignored.
 The lists are written from the API references: OpenAI's "Create completion" and "Create chat completion"
 (platform.openai.com/docs/api-reference), cross-checked against the installed openai client's request
 TypedDicts, and vLLM's extra parameters of its OpenAI-compatible server (docs.vllm.ai, "OpenAI-Compatible
-Server", Extra Parameters; vllm/entrypoints/openai/protocol.py CompletionRequest / ChatCompletionRequest).
+Server", Extra Parameters; vllm/entrypoints/openai/protocol.py CompletionRequest / ChatCompletionRequest), and
+vLLM 0.34's vllm/entrypoints/openai/{completion,chat_completion}/protocol.py as scripts/vllm_request_fields.py
+reads them (it printed the 13 + 15 names added then: it should print none).
 """
 
 from __future__ import annotations
@@ -125,6 +127,20 @@ SHARED_VLLM = {  # vLLM's extra parameters of both endpoints
     "vllm_xargs": refused({"a": 1}),
     "priority": refused(1),
     "prompt_embeds": refused("AAAA"),
+    "session_id": accepted("a conversation's id for the caller's records (vLLM routes by it); the prefix cache "
+                           "is automatic, so it changes nothing here"),
+    "watermarking": refused(True),
+    "truncation_side": refused("left"),
+    "logprob_token_ids": refused([1, 2]),
+    "return_weight_versions": refused(True),
+    "routed_experts_prompt_start": refused(3),
+    "return_token_offsets": refused(True),
+    "mm_payload": refused({"items": []}),
+    "return_mm_kwargs": refused("yes"),
+    "ec_transfer_params": refused({"a": 1}),
+    "repetition_detection": refused({"max_pattern_size": 4}),
+    "thinking_token_budget": refused(100),
+    "stream_interval": refused(4),
 }
 COMPLETION_VLLM = {**SHARED_VLLM, "add_special_tokens": refused(False), "echo": honoured(
     f"{SURFACE}::test_echo_returns_the_prompt_first")}
@@ -138,6 +154,8 @@ CHAT_VLLM = {
     "documents": refused([{"text": "d"}]),
     "chat_template": refused("{{ messages }}"),
     "mm_processor_kwargs": refused({}),
+    "media_io_kwargs": refused({"image": {}}),
+    "return_prompt_text": refused(True),
     "include_reasoning": honoured(f"{REASONING}::test_include_reasoning_false_and_reasoning_parser_none_keep_it_out"),
     "reasoning_effort": honoured(f"{REASONING}::test_reasoning_effort_and_template_kwargs_reach_the_template"),
 }
@@ -191,8 +209,11 @@ async def test_off_values_of_refused_fields_pass(path):
     """null, and the value that means "off" (vLLM's defaults), ask for nothing: they are not refused."""
     off = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
            "return_tokens_as_token_ids": False, "return_token_ids": False, "priority": 0,
-           "guided_decoding_backend": "auto", "best_of": 1, "logits_processors": None}
+           "guided_decoding_backend": "auto", "best_of": 1, "logits_processors": None,
+           "watermarking": False, "return_weight_versions": False, "routed_experts_prompt_start": 0,
+           "return_token_offsets": False, "return_mm_kwargs": True, "thinking_token_budget": -1, "stream_interval": 1}
     if path == CHAT:
+        off.update(return_prompt_text=False)
         off.update(echo=False, add_generation_prompt=True, continue_final_message=False, add_special_tokens=False,
                    store=False, modalities=["text"], metadata={}, service_tier="auto")
     else:

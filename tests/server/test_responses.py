@@ -54,8 +54,8 @@ def app(engine):
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(app):
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-    async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0) as c:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
+    async with openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0) as c:
         yield c
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from metrale.errors import InvalidStructuredOutputError
 from metrale.server.app import ServerApp
-from metrale.structured_outputs import StructuredOutputs
+from metrale.structured_outputs import MAX_CONSTRAINT_CHARS, StructuredOutputs
+from tests.metrale.test_structured_outputs import ref_chain, rule_chain, wide_object
 from tests.server.fakes import FakeEngine, call
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -93,6 +94,41 @@ async def test_bad_fields_are_a_400_naming_them(app, engine, path, fields, param
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert engine.submitted == []
+
+
+def _chain_tool(links: int) -> dict:
+    return {"type": "function", "function": {"name": "deep", "parameters": ref_chain(links)}}
+
+
+@pytest.mark.parametrize(("path", "fields", "param", "words"), [
+    # each of these crashed the server (SIGSEGV in llguidance) or could never run: a 400 before compiling
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": ref_chain(5000)}}},
+     "response_format", 'response_format.json_schema.schema must hold at most 1024 "$ref"'),
+    (COMPLETIONS, {"guided_json": ref_chain(5000)}, "guided_json", '"$ref"'),
+    (COMPLETIONS, {"guided_grammar": rule_chain(5000)}, "guided_grammar", "guided_grammar must define at most 1024"),
+    (COMPLETIONS, {"structured_outputs": {"grammar": rule_chain(5000, gbnf=True)}}, "structured_outputs", "rules"),
+    (COMPLETIONS, {"guided_choice": [str(i) for i in range(2001)]}, "guided_choice",
+     "guided_choice must hold at most 1024 strings"),
+    (COMPLETIONS, {"guided_regex": "a" * (MAX_CONSTRAINT_CHARS + 1)}, "guided_regex", "characters"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": wide_object(499)}}}, "response_format",
+     "response_format.json_schema.schema: an object may have at most 450 optional properties"),  # was a 500
+    (CHAT, {"tools": [_chain_tool(5000)], "tool_choice": "required"}, "tools", 'tools: must hold at most 1024 "$ref"'),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "wide", "parameters": wide_object(451)}}],
+            "tool_choice": "required"}, "tools", "tools: an object may have at most 450 optional properties"),
+    (CHAT, {"tools": [_chain_tool(5000)], "tool_choice": {"type": "function", "function": {"name": "deep"}}}, "tools",
+     '"$ref"'),
+    # 100,000 bad words stalled every stream 3.8 s; 4 x 150,000 stop strings took a bystander from 2.9 s to 85 s
+    (COMPLETIONS, {"bad_words": [f"w{i}" for i in range(100_000)]}, "bad_words", "bad_words must hold at most 128"),
+    (CHAT, {"stop": [f"s{i}" for i in range(150_000)]}, "stop", "stop must hold at most 128 strings, got 150000"),
+    (COMPLETIONS, {"stop": ["s" * 10_000]}, "stop", "at most 8192 characters in all"),
+])
+async def test_fields_past_their_bounds_are_a_400_before_any_work(app, engine, path, fields, param, words):
+    body = {"messages": MESSAGES} if path == CHAT else {"prompt": "a b"}
+    r = await call(app, "POST", path, {**body, **fields})
+    assert r.status == 400, r.body
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert engine.submitted == [] and engine.prepared == []
 
 
 async def test_a_schema_the_engine_refuses_is_a_400_named_after_its_field(app, engine):

@@ -27,6 +27,7 @@ async def test_tokenize_a_prompt(app):
     ({"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, "add_generation_prompt"),
     ({"prompt": "x", "model": "other"}, "model"),
+    ({"messages": []}, "messages"),  # the chat request's own constraint (the API fuzzer's 500)
 ])
 async def test_tokenize_refusals_name_the_field(app, body, field):
     r = await call(app, "POST", "/tokenize", body)

@@ -4,6 +4,9 @@ gauges on /metrics, and model aliases ("unknown" is what the router sends for a 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,7 +42,8 @@ async def test_server_info_names_the_served_model(app, path):
     # sglang-router reads served_model_name (its worker's model id) and model_path; every field it
     # knows is optional, but a present one of the wrong type fails the whole parse.
     assert body["served_model_name"] == "tiny-chat"
-    assert body["model_path"] == "/models/fake-model.gguf"
+    assert body["model_path"] == "tiny-chat"  # the served name: no filesystem path in any response
+    assert "/models" not in r.body.decode()
     assert body["model_type"] == "llama" and body["max_model_len"] == 64 and body["kv_block_size"] == 16
     assert isinstance(body["version"], str) and "dp_size" not in body
 
@@ -47,7 +51,7 @@ async def test_server_info_names_the_served_model(app, path):
 @pytest.mark.parametrize("path", ["/model_info", "/get_model_info"])
 async def test_model_info(app, path):
     body = (await call(app, "GET", path)).json()
-    assert body == {"model_path": "/models/fake-model.gguf", "served_model_name": "tiny-chat",
+    assert body == {"model_path": "tiny-chat", "served_model_name": "tiny-chat",
                     "model_type": "llama", "is_generation": True}
 
 
@@ -58,10 +62,12 @@ async def test_get_load_counts_requests_and_kv_tokens(app, engine):
 
 
 @pytest.mark.parametrize("path", ["/server_info", "/model_info", "/get_load"])
-async def test_info_routes_are_get_only_and_open(engine, path):
+async def test_info_routes_are_get_only_and_behind_the_key(engine, path):
     app = ServerApp(engine, manage_engine=False, api_key="secret")
-    assert (await call(app, "GET", path)).status == 200  # like /health: the router sends no key there
-    r = await call(app, "POST", path)
+    r = await call(app, "GET", path)
+    assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert (await call(app, "GET", path, headers={"authorization": "Bearer secret"})).status == 200
+    r = await call(app, "POST", path, headers={"authorization": "Bearer secret"})
     assert r.status == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
@@ -76,7 +82,8 @@ async def test_info_routes_answer_503_until_loaded(engine):
     assert "vllm:" not in metrics  # no scheduler to alias yet
 
 
-async def test_metrics_carry_vllm_named_gauges(app, engine):
+async def test_metrics_carry_vllm_named_gauges_when_asked(engine):
+    app = ServerApp(engine, manage_engine=False, served_model_name="tiny-chat", vllm_metric_aliases=True)
     engine.stats = lambda: _stats(running=3, waiting=7, kv_blocks_free=75, kv_usage=0.25)
     r = await call(app, "GET", "/metrics")
     assert r.status == 200
@@ -112,3 +119,14 @@ async def test_router_rewritten_chat_body_is_accepted(app, engine):
     r = await call(app, "POST", "/v1/chat/completions", body)
     assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert engine.submitted[-1][1].max_tokens == 3
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (scripts/setup.sh installs it)")
+async def test_default_metrics_pass_promtool_and_the_aliases_are_off(app, engine):
+    """`promtool check metrics` exits 3 on the `vllm:` names (a colon is for recording rules), so the aliases are
+    served only with --vllm-metric-aliases (metrale fleet sets it for its replicas)."""
+    await call(app, "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 2, "unknown_knob": 1})
+    body = (await call(app, "GET", "/metrics")).body
+    assert b"vllm:" not in body and b"metrale_request_unknown_fields_total" in body
+    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -28,6 +28,15 @@ def config(model: str, **kw) -> EngineConfig:
                         max_num_batched_tokens=256, **kw)
 
 
+async def wait_for(condition, timeout_s: float) -> None:
+    """Poll `condition` until it holds; fail after `timeout_s` (generous: the machine may be busy)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, f"not true after {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
 def aborted(engine: AsyncEngine) -> float:
     return engine.registry.get_sample_value("metrale_request_success_total",
                                             {"model_name": engine.metrics.model_name, "finished_reason": "abort"}) or 0
@@ -205,11 +214,17 @@ async def test_the_step_watchdog_marks_a_stuck_step_unhealthy_until_it_ends(tiny
     async with AsyncEngine(config(tiny_model), runner_factory=runners) as engine:
         await collect(engine.generate(PROMPT, GREEDY))  # a few normal steps set the expected step time
         monkeypatch.setattr(async_engine, "WATCHDOG_MIN_S", 0.3)
-        release = threading.Event()
-        runners.runner.hook = lambda step: release.wait(10)
+        monkeypatch.setattr(async_engine, "WATCHDOG_FACTOR", 0.0)  # the threshold is 0.3 s however slow the machine
+        entered, release = threading.Event(), threading.Event()
+
+        def stuck(step):
+            entered.set()
+            release.wait(100)
+
+        runners.runner.hook = stuck
         stream = engine.generate(PROMPT, GREEDY)
-        await asyncio.sleep(0.8)
-        assert engine.health() == "unhealthy"
+        assert await asyncio.to_thread(entered.wait, 30)
+        await wait_for(lambda: engine.health() == "unhealthy", 30)  # the step stays stuck until released
         release.set()
         assert (await collect(stream))[2] == "length"
         assert engine.health() == "serving"

@@ -65,12 +65,18 @@ def test_names_follow_prometheus_conventions(metrics):
         "metrale_request_prefill_time_seconds": "histogram", "metrale_request_decode_time_seconds": "histogram",
         "metrale_request_prompt_tokens": "histogram", "metrale_request_generation_tokens": "histogram",
         "metrale_iteration_tokens": "histogram",
+        "metrale_prompt_tokens_cached": "counter", "metrale_prompt_tokens_by_source": "counter",
+        "metrale_request_params_n": "histogram", "metrale_request_params_max_tokens": "histogram",
+        "metrale_request_time_per_output_token_seconds": "histogram",
+        "metrale_request_inference_time_seconds": "histogram",
+        "metrale_request_max_num_generation_tokens": "histogram", "metrale_request_num_preemptions": "histogram",
     }
     assert {name: families[name].type for name in expected} == expected
     for family in families.values():
         assert ":" not in family.name
         for sample in family.samples:
-            assert set(sample.labels) <= {"model_name", "finished_reason", "reason", "le"}, sample
+            if family.name != "metrale_build_info":  # an info metric's labels are its value
+                assert set(sample.labels) <= {"model_name", "finished_reason", "reason", "source", "le"}, sample
 
 
 def test_buckets_are_vllms(metrics):
@@ -138,6 +144,48 @@ def test_rejections_by_reason(metrics):
     assert value(metrics, "metrale_requests_rejected_total", reason="draining") == 1
     with pytest.raises(ValueError, match="reject reason 'nope'"):
         metrics.record_rejected("nope")
+
+
+def test_prompt_tokens_are_whole_prompts_with_the_cached_part_by_source(metrics):
+    """vLLM's prompt_tokens: the whole prompt (counted when its first token comes), cached tokens included and
+    also counted apart; by source, local_compute + local_cache_hit = prompt_tokens."""
+    metrics.record_iteration(IterationStats(num_running=2, num_waiting=0, kv_cache_usage=0.1, num_prompt_tokens=40,
+                                            num_generation_tokens=2, num_batched_tokens=26,
+                                            num_cached_prompt_tokens=16))
+    assert value(metrics, "metrale_prompt_tokens_total") == 40
+    assert value(metrics, "metrale_prompt_tokens_cached_total") == 16
+    assert value(metrics, "metrale_prompt_tokens_by_source_total", source="local_compute") == 24
+    assert value(metrics, "metrale_prompt_tokens_by_source_total", source="local_cache_hit") == 16
+    assert value(metrics, "metrale_prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+    with pytest.raises(ValueError, match="num_cached_prompt_tokens 5 > num_prompt_tokens 4"):
+        metrics.record_iteration(IterationStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                                                num_prompt_tokens=4, num_generation_tokens=0, num_batched_tokens=0,
+                                                num_cached_prompt_tokens=5))
+
+
+def test_per_request_series_and_n_observed_once_per_request(metrics):
+    """A request of n=2 ends as two sequences (each a finished request, as in vLLM); n, max_tokens and the
+    longest sequence are observed once, with the last one; time per output token = decode / (tokens - 1)."""
+    base = dict(finish_reason="length", e2e_latency_s=1.0, queue_time_s=0.1, prefill_time_s=0.2, decode_time_s=0.6,
+                num_prompt_tokens=7, inference_time_s=0.8, max_tokens_param=7)
+    metrics.record_finished(FinishedRequestStats(**base, num_generation_tokens=4, num_preemptions=2))
+    metrics.record_finished(FinishedRequestStats(**base, num_generation_tokens=7, params_n=2,
+                                                 max_num_generation_tokens=7))
+    assert value(metrics, "metrale_request_success_total", finished_reason="length") == 2
+    assert value(metrics, "metrale_request_params_n_count") == 1 and value(metrics, "metrale_request_params_n_sum") == 2
+    assert value(metrics, "metrale_request_max_num_generation_tokens_sum") == 7
+    assert value(metrics, "metrale_request_max_num_generation_tokens_count") == 1
+    assert value(metrics, "metrale_request_params_max_tokens_count") == 2
+    assert value(metrics, "metrale_request_inference_time_seconds_sum") == pytest.approx(1.6)
+    assert value(metrics, "metrale_request_time_per_output_token_seconds_sum") == pytest.approx(0.2 + 0.1)
+    assert value(metrics, "metrale_request_num_preemptions_sum") == 2
+    assert value(metrics, "metrale_request_num_preemptions_count") == 2
+
+
+def test_build_info_carries_the_version(metrics):
+    from metrale import __version__
+
+    assert value(metrics, "metrale_build_info", version=__version__) == 1
 
 
 def test_info_metric(metrics):

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from metrale import AsyncEngine, EngineConfig, RequestFailedError, SamplingParams
+from metrale.errors import InvalidParamsError
 from metrale.engine.stream import GroupStream, RequestStream
 from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
 
@@ -129,8 +130,12 @@ async def test_one_failing_sequence_fails_the_request_cleanly(tiny_model):
         assert await collect(engine.generate(PROMPT, GREEDY))  # still serving
 
 
-async def test_more_sequences_than_seats_is_refused(tiny_model):
+async def test_more_sequences_than_seats_is_refused_before_any_is_built(tiny_model, monkeypatch):
     async with AsyncEngine(config(tiny_model, max_num_seqs=4)) as engine:
-        with pytest.raises(ValueError, match="max_num_seqs"):
-            engine.generate(PROMPT, SamplingParams(max_tokens=2, n=5))
+        built = []
+        monkeypatch.setattr(engine._submission._outputs, "new_request", lambda *args, **kwargs: built.append(args))
+        for n in (5, 10**6):  # 10**5 once took 440 s to refuse, building every sequence first
+            with pytest.raises(InvalidParamsError, match=rf"n must be at most max_num_seqs \(4\), got {n}$"):
+                engine.generate(PROMPT, SamplingParams(max_tokens=2, n=n))
+        assert built == []
         assert_clean(engine)

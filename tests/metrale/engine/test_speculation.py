@@ -165,3 +165,63 @@ async def test_ngram_speculation_on_the_real_model_equals_plain_greedy():
                 assert accepted_tokens > 0.5 * drafts > 0  # the copy task is what prompt lookup is for
             assert_clean(engine)
     assert outputs[0] == outputs[1]
+
+
+async def collect_with_usage(stream) -> tuple[list[int], str, str | None, int]:
+    """(token ids, text, finish_reason, output tokens counted) of a whole stream."""
+    ids, text, finish, counted = [], [], None, 0
+    async for out in stream:
+        ids.extend(out.token_ids)
+        text.append(out.text)
+        finish, counted = out.finish_reason, out.num_output_tokens
+    return ids, "".join(text), finish, counted
+
+
+def stop_string_at(engine: AsyncEngine, ids: list[int], position: int) -> str:
+    """A stop string that first completes at output token `position` (the text up to it, from its end)."""
+    decode = engine.tokenizer.decode
+    before, upto = decode(ids[:position], skip_special_tokens=True), decode(ids[:position + 1], skip_special_tokens=True)
+    for length in range(1, len(upto) + 1):
+        if upto[-length:] not in before and upto[-length:].strip():
+            return upto[-length:]
+    raise AssertionError(f"no stop string completes at {position}")
+
+
+async def test_stop_strings_inside_accepted_runs_match_plain_decoding(tiny_model, reference):
+    # every draft accepted: the stop string completes inside a run of up to 5 tokens, never at its end alone
+    greedy, _ = reference
+    async with AsyncEngine(config(tiny_model)) as plain:
+        params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                 stop=[stop_string_at(plain, ids, position)], include_stop_str_in_output=include)
+                  for (ids, _, _), position, include in zip(greedy, (2, 5, 8, 9, 3, 7), (False, True) * 3)]
+        expected = await asyncio.gather(*(collect_with_usage(plain.generate(p, q)) for p, q in zip(PROMPTS, params)))
+    assert all(finish == "stop" and len(ids) < 24 for ids, _, finish, _ in expected)
+    async with AsyncEngine(config(tiny_model, SPEC), proposer=OracleProposer(greedy)) as engine:
+        results = await asyncio.gather(*(collect_with_usage(engine.generate(p, q)) for p, q in zip(PROMPTS, params)))
+        assert results == expected
+        assert all(counted == len(ids) for ids, _, _, counted in results)
+        drafts, accepted_tokens = accepted(engine)
+        assert accepted_tokens == drafts > 0
+        await wait_idle(engine)
+        assert_clean(engine)
+
+
+@pytest.mark.real_model
+async def test_ngram_speculation_stops_exactly_where_plain_decoding_does():
+    # the issue's repro: stop ["."] gave 5 token ids plain, 6 speculative (the accepted run kept past the stop)
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat"
+    outputs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}):
+        async with AsyncEngine(EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=4, speculative_config=spec)) as engine:
+            period, = engine.tokenizer.encode(".", add_special_tokens=False)
+            kinds = [SamplingParams(max_tokens=32, temperature=0, stop=["."]),
+                     SamplingParams(max_tokens=32, temperature=0, stop=["."], include_stop_str_in_output=True),
+                     SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[period]),
+                     SamplingParams(max_tokens=64, temperature=0),  # eos, or the length
+                     SamplingParams(max_tokens=7, temperature=0)]
+            outputs.append([await collect_with_usage(engine.generate(prompt, params)) for params in kinds])
+            if spec is not None:
+                assert accepted(engine)[1] > 0
+            assert_clean(engine)
+    assert outputs[0] == outputs[1]
+    assert [finish for _, _, finish, _ in outputs[0][:3]] == ["stop"] * 3

@@ -191,3 +191,78 @@ class _Row:
         self.params = params
         self.prompt_token_ids = [1]
         self.output_token_ids: list[int] = []
+
+
+CHAIN_PROBE = """
+import llguidance
+from llguidance import LLMatcher
+from metrale.sampling.guided import GrammarCompiler, grammar_text
+from metrale.structured_outputs import MAX_GRAMMAR_RULES, MAX_REFS, StructuredOutputs
+from tests.metrale.test_structured_outputs import ref_chain, rule_chain
+from tests.metrale.text_helpers import load_tokenizer
+
+tokenizer = load_tokenizer()
+compiler = GrammarCompiler(tokenizer.backend.to_str, tokenizer.vocab_size, tokenizer.eos_token_ids)
+for spec in (StructuredOutputs(json=ref_chain(MAX_REFS)), StructuredOutputs(grammar=rule_chain(MAX_GRAMMAR_RULES))):
+    compiler.submit(spec).result(timeout=60).new_matcher()
+# past the bounds, on the compile thread: the chains that overflowed an 8 MiB stack, and 5x the bounds
+for links in (5000, 5 * MAX_REFS):
+    schema = LLMatcher.grammar_from_json_schema(ref_chain(links))
+    grammar = llguidance.grammar_from("grammar", rule_chain(links))
+    for text in (schema, grammar):
+        assert compiler._pool.submit(LLMatcher.validate_grammar, text).result(timeout=60) == ""
+print("compiled")
+"""
+
+
+def test_the_longest_chains_compile_on_the_compile_thread_with_room_to_spare():
+    # in a child process: a stack overflow kills it (SIGSEGV), not the test run
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", CHAIN_PROBE], capture_output=True, text=True, timeout=110,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0 and result.stdout.strip() == "compiled", (result.returncode, result.stderr[-2000:])
+
+
+def test_llguidance_row_limit_is_out_of_reach_of_the_largest_choice(compiler, tokenizer):
+    from metrale.structured_outputs import MAX_CHOICES
+
+    words = [f"choice {i}" for i in range(MAX_CHOICES)]
+    matcher = compiler.submit(StructuredOutputs(choice=words)).result(timeout=60).new_matcher()
+    mask = np.zeros((1, compiler.mask_words), dtype=np.int32)
+    for token_id in tokenizer.encode(words[-1], add_special_tokens=False):
+        matcher.fill_bitmask(mask, 0)
+        assert matcher.accept(token_id), matcher.error
+    assert matcher.is_finished
+
+
+def test_the_widest_object_allowed_generates_past_the_row_limit(compiler, tokenizer):
+    from metrale.structured_outputs import MAX_OPTIONAL_PROPERTIES
+    from tests.metrale.test_structured_outputs import wide_object
+
+    schema = {**wide_object(MAX_OPTIONAL_PROPERTIES, required=1000), "additionalProperties": False}
+    matcher = compiler.submit(StructuredOutputs(json=schema)).result(timeout=60).new_matcher()
+    mask = np.zeros((1, compiler.mask_words), dtype=np.int32)
+    for token_id in tokenizer.encode('{"f0": "x", "f1": "y", "f2": "', add_special_tokens=False):
+        matcher.fill_bitmask(mask, 0)
+        assert matcher.accept(token_id), matcher.error
+
+
+def test_the_cache_is_bounded_by_estimated_bytes(tokenizer):
+    specs = [StructuredOutputs(json={**PERSON, "title": f"person {i}"}) for i in range(10)]
+    budget = 4 * guided.estimated_bytes(specs[0])
+    compiler = GrammarCompiler(tokenizer.backend.to_str, tokenizer.vocab_size, tokenizer.eos_token_ids,
+                               cache_bytes=budget)
+    try:
+        for spec in specs:
+            compiler.submit(spec)
+            assert compiler.cache_used_bytes <= budget
+        assert compiler.num_cached == 4  # the 4 most recent (the titles are the same length)
+        assert compiler.submit(specs[-1]) is compiler.submit(specs[-1])
+        huge = StructuredOutputs(json={**PERSON, "description": "x" * 10_000})
+        compiler.submit(huge).result(timeout=60)  # alone over the budget: kept alone, until the next
+        assert compiler.num_cached == 1 and compiler.cache_used_bytes == guided.estimated_bytes(huge)
+    finally:
+        compiler.shutdown()

@@ -54,3 +54,22 @@ def test_the_tokenize_failpoint_fires_on_text_only(tokenizer):
     with pytest.raises(InjectedFault):
         processor.prompt_ids("hi")
     assert processor.prompt_ids([1, 2, 3]) == [1, 2, 3]
+
+
+def test_prepare_tokenizes_the_bad_words_and_compiles_the_stop_strings_into_their_caches(tokenizer, monkeypatch):
+    from metrale.text import processor
+    from metrale.text.stop import compile_stops
+
+    processor_inputs = inputs(tokenizer)
+    params = SamplingParams(bad_words=[f"word{i}" for i in range(100)], stop=[f"stop{i}" for i in range(100)])
+    misses = compile_stops.cache_info().misses
+    processor_inputs.prepare(params)  # the engine runs this on a worker thread
+    assert compile_stops.cache_info().misses == misses + 1
+    OutputProcessor(tokenizer).new_request([], params)  # on the caller's thread: compiled already
+    assert compile_stops.cache_info().misses == misses + 1
+    calls = []
+    monkeypatch.setattr(processor, "bad_words_token_ids", lambda *args: calls.append(args) or [])
+    prepared = processor_inputs.params(params)  # on the caller's thread: from the cache, nothing tokenized
+    assert calls == [] and len(prepared.bad_words_token_ids) >= 100
+    other = processor_inputs.params(SamplingParams(bad_words=["fresh"]))  # not prepared: tokenized here
+    assert len(calls) == 1 and other.bad_words_token_ids == ()

@@ -128,3 +128,29 @@ def test_any_chunking_gives_the_reference_and_never_leaks(text, stops, cuts, inc
     cut_at, _ = reference(text, stops, False)
     before_match = "".join(pieces[:-1] if matched else pieces)
     assert len(before_match) <= len(cut_at), "emitted text past the stop position before the match"
+
+
+def test_each_new_character_costs_one_automaton_step_whatever_the_number_of_stop_strings(monkeypatch):
+    from metrale.sampling_params import MAX_STOP_STRINGS
+    from metrale.text import stop as stop_module
+
+    stops = tuple(f"never{i:04d}!" for i in range(MAX_STOP_STRINGS))
+    steps = []
+    real_step = stop_module.StopAutomaton.step
+    monkeypatch.setattr(stop_module.StopAutomaton, "step", lambda self, state, char: steps.append(char) or
+                        real_step(self, state, char))
+    matcher = StopStringMatcher(stops)
+    fed = 0
+    for i in range(150):  # held-back text (here "never0") is never scanned again
+        delta = " never0" if i % 2 else "12 ab"
+        assert matcher.feed(delta)[1] is False
+        fed += len(delta)
+    assert len(steps) == fed
+    assert matcher.feed("never0042!") == ("never0", True) and matcher.matched_stop == "never0042!"
+
+
+def test_automata_are_compiled_once_per_tuple_of_stop_strings():
+    from metrale.text.stop import compile_stops
+
+    stops = ("a stop", "another")
+    assert StopStringMatcher(stops)._automaton is StopStringMatcher(list(stops))._automaton is compile_stops(stops)

@@ -141,3 +141,18 @@ def test_format_detected_from_the_chat_template(template, fmt):
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="unknown tool call format 'xml'"):
         make_parser("xml")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # model-written nesting far past Python's recursion limit
+
+
+@pytest.mark.parametrize(("fmt", "text"), [
+    ("hermes", f'<tool_call>{{"name": {DEEP}, "arguments": {{}}}}</tool_call>'),
+    ("llama3_json", f'{{"name": {DEEP}, "parameters": {{}}}}'),
+    ("mistral", f'[TOOL_CALLS][{{"name": {DEEP}, "arguments": {{}}}}]'),
+    ("hermes", f'<tool_call>{{"name": "f", "arguments": {DEEP}}}</tool_call>'),
+])
+def test_deep_nesting_in_a_call_ends_cleanly(fmt, text):
+    parsed = parse_tool_calls(fmt, text)  # raised RecursionError for a nested name
+    assert all(call.name == "f" for call in parsed.tool_calls)
+    assert parsed.tool_calls or parsed.content == text  # not a call: it stays text
