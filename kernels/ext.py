@@ -155,6 +155,23 @@ def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, *, scale, 
     )
 
 
+def has_paged_prefill() -> bool:
+    """True when the loaded extension has the paged prefill kernel (an older build lacks it)."""
+    module = load()
+    return module is not None and hasattr(module, "paged_prefill")
+
+
+def paged_prefill(queries, k_pool, v_pool, block_table, *, first_position, scale, block_size, window):
+    """Prefill attention of one sequence's chunk read straight from the pools, flash style
+    (kernels/csrc/paged_prefill.cpp): queries (q_len, n_heads, hd) at positions first_position..,
+    pools (num_slots, n_kv_heads, hd), block_table (max_blocks,) int32; window 0 means none.
+    Returns (q_len, n_heads, hd) float32. Needs load()."""
+    return _module().paged_prefill(
+        queries, k_pool, v_pool, block_table,
+        first_position=int(first_position), scale=float(scale), block_size=int(block_size), window=int(window),
+    )
+
+
 def causal_softmax(scores, *, offset, window):
     """Softmax of scores (..., q_len, L) float32 for each query row i over the keys j with
     j <= i + offset (and j > i + offset - window when window > 0); 0 elsewhere. Needs load()."""

@@ -17,8 +17,9 @@ Two paths behind `paged_attention`, chosen once per model load (kernels.backend,
 and carried to every layer by the step's metadata:
   reference  plain MLX: gather the context rows, then mx.fast.scaled_dot_product_attention with a
              boolean mask; runs on every backend.
-  kernel     kernels/ (C++, CPU, optional build): decode rows read K/V straight from the pools
-             through the block tables; prefill chunks run matmul -> fused causal softmax -> matmul.
+  kernel     kernels/ (C++, CPU, optional build): decode rows and prefill chunks read K/V straight
+             from the pools through the block tables (float32, float16 or bfloat16 pools, widened in
+             registers); chunks in key tiles with an online softmax, so no (q_len, context) scores.
 Both are tested against dense attention (tests/kvcache/test_attention.py, test_ext.py).
 """
 
@@ -42,20 +43,25 @@ class PrefillChunk:
     """One sequence with query_len > 1: its rows in the flat batch and its whole context.
 
     rows row_start .. row_start + query_len - 1 hold the queries of positions
-    context_len - query_len .. context_len - 1; `slots` (context_len,) is the pool slot of every
-    context position, in order.
+    context_len - query_len .. context_len - 1; `table` (num_blocks_s,) is the sequence's block table.
     """
 
     index: int  # among the step's chunks, in batch order
     row_start: int
     query_len: int
     context_len: int
-    slots: np.ndarray
+    table: np.ndarray
+    block_size: int
 
     @property
     def first_position(self) -> int:
         """Position of the chunk's first query."""
         return self.context_len - self.query_len
+
+    def slots(self, start: int = 0) -> np.ndarray:
+        """(context_len - start,) the pool slot of every context position from `start` on, in order."""
+        pos = np.arange(start, self.context_len, dtype=np.int64)
+        return self.table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +105,7 @@ class AttentionMetadata:
             if qlen == 1:
                 decode.append(s)
             else:
-                ctx_pos = np.arange(ctx, dtype=np.int64)  # (ctx,)
-                ctx_slots = table[ctx_pos // block_size] * block_size + ctx_pos % block_size
-                chunks.append(PrefillChunk(len(chunks), self.query_starts[s], qlen, ctx, ctx_slots))
+                chunks.append(PrefillChunk(len(chunks), self.query_starts[s], qlen, ctx, table, block_size))
         self.chunks: tuple[PrefillChunk, ...] = tuple(chunks)
         self.positions = mx.array(np.concatenate(positions).astype(np.int32))  # (T,)
         self.slot_mapping = mx.array(np.concatenate(slots).astype(np.int32))  # (T,)
@@ -209,7 +213,7 @@ class AttentionMetadata:
     def chunk_gather(self, chunk: PrefillChunk, window: int | None, n_kv: int) -> tuple[mx.array, int]:
         """Flat K/V row indices (1, n_kv, L) of `chunk`'s visible keys and the position of the first."""
         start = 0 if window is None else max(0, chunk.first_position - window + 1)
-        rows = chunk.slots[None, None, start:] * n_kv + np.arange(n_kv)[None, :, None]  # (1, n_kv, L)
+        rows = chunk.slots(start)[None, None, :] * n_kv + np.arange(n_kv)[None, :, None]  # (1, n_kv, L)
         return mx.array(rows.astype(np.int32)), start
 
     def chunk_mask(self, chunk: PrefillChunk, window: int | None, start: int) -> mx.array:
@@ -233,8 +237,8 @@ def _decode_reference(queries, k_pool, v_pool, md, scale, window):
     """queries (B, n_heads, hd) -> (B, n_heads, hd), one sdpa padded to the longest context."""
     n_kv = k_pool.shape[1]
     rows, mask = md.cached(("decode", window, n_kv), lambda: md.decode_gather(window, n_kv))
-    keys = _flat(k_pool)[rows]  # (B, n_kv, L, hd)
-    values = _flat(v_pool)[rows]  # (B, n_kv, L, hd)
+    keys = _flat(k_pool)[rows].astype(queries.dtype)  # (B, n_kv, L, hd)
+    values = _flat(v_pool)[rows].astype(queries.dtype)  # (B, n_kv, L, hd)
     out = mx.fast.scaled_dot_product_attention(queries[:, :, None, :], keys, values, scale=scale, mask=mask)
     return out.reshape(queries.shape)  # (B, n_heads, hd)
 
@@ -256,16 +260,28 @@ def _decode_attention(queries, k_pool, v_pool, md, scale, window, use_kernel):
 def _chunk_attention(queries, k_pool, v_pool, md, chunk, scale, window, use_kernel):
     """queries (q_len, n_heads, hd) of one prefill chunk -> (q_len, n_heads, hd).
 
-    Reference: one sdpa with a boolean mask. Kernel (float32 pools): two matmuls around the
-    extension's causal softmax, as MLX's CPU softmax dominates sdpa's cost at prefill sizes.
+    Kernel: the extension's paged prefill reads the pools (any of the three dtypes) through the block
+    table in key tiles with an online softmax: no gather, no (q_len, L) scores, memory independent of
+    the context. A build without it: two float32 matmuls around the fused causal softmax over the
+    gathered (and widened) visible rows. Reference: one sdpa with a boolean mask.
     """
+    if use_kernel and ext.has_paged_prefill():
+        table = md.cached(("chunk_table", chunk.index), lambda: mx.array(chunk.table.astype(np.int32)))  # (n_blocks,)
+        return ext.paged_prefill(queries, k_pool, v_pool, table, first_position=chunk.first_position, scale=scale,
+                                 block_size=md.block_size, window=window or 0)  # (q_len, n_heads, hd) float32
+    return _chunk_gathered(queries, k_pool, v_pool, md, chunk, scale, window, use_kernel)
+
+
+def _chunk_gathered(queries, k_pool, v_pool, md, chunk, scale, window, use_kernel):
+    """_chunk_attention over the chunk's visible rows gathered from the pools (see there)."""
     n_kv = k_pool.shape[1]
     rows, start = md.cached(("chunk", chunk.index, window, n_kv), lambda: md.chunk_gather(chunk, window, n_kv))
-    keys = _flat(k_pool)[rows]  # (1, n_kv, L, hd)
-    values = _flat(v_pool)[rows]  # (1, n_kv, L, hd)
     q_len, n_heads, head_dim = queries.shape
     q = queries.transpose(1, 0, 2)  # (n_heads, q_len, hd)
-    if use_kernel and k_pool.dtype == mx.float32:
+    wide = mx.float32 if use_kernel else queries.dtype
+    keys = _flat(k_pool)[rows].astype(wide)  # (1, n_kv, L, hd)
+    values = _flat(v_pool)[rows].astype(wide)  # (1, n_kv, L, hd)
+    if use_kernel:
         grouped = (q.astype(mx.float32) * scale).reshape(n_kv, -1, head_dim)  # (n_kv, rep * q_len, hd)
         scores = (grouped @ keys[0].swapaxes(1, 2)).reshape(n_heads, q_len, -1)  # (n_heads, q_len, L)
         offset = chunk.first_position - start  # query i sits at key index i + offset
@@ -291,7 +307,7 @@ def paged_attention(
     holding this step's K/V; n_heads a multiple of n_kv_heads (GQA). A query at position p sees
     positions p - sliding_window < k <= p. Returns (T, n_heads, head_dim) in the queries' dtype.
     With the C++ kernels (metadata.backend "kernel"; head_dim a multiple of 8, at most 256) decode
-    rows read the pools directly and prefill chunks use the fused causal softmax; else the reference.
+    rows and prefill chunks read the pools directly (float32 out); else the reference.
     """
     md = metadata
     if queries.ndim != 3 or queries.shape[0] != md.num_tokens:

@@ -17,6 +17,7 @@ from metrale.speculative.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 GENERATION_CONFIGS = ("auto", "vllm")  # EngineConfig.generation_config
 MiB = 1 << 20
 _SCHEDULER_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
@@ -33,6 +34,9 @@ class EngineConfig:
         quantized checkpoint quantized (on CPU through metrale's kernels when they are built). An
         explicit dtype on CPU dequantizes the weights to it ("float32": float32 BLAS matmuls).
     kv_cache_bytes: the KV pool's fixed footprint, allocated once at start.
+    kv_cache_dtype: the dtype the KV pools store; "auto" is float16 on CPU when the activations are
+        float32 (half the bytes per token, so twice the tokens in kv_cache_bytes; the CPU kernels
+        convert in registers) and the activations' dtype otherwise (GPU: unchanged).
     seed: seeds the unseeded requests' sampling.
     failpoints: faults to inject, as METRALE_FAILPOINTS spells them (metrale.failpoints); None reads
         that variable when the engine starts.
@@ -57,6 +61,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     kv_cache_bytes: int = 1024 * MiB
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     failpoints: str | None = None
     speculative_config: SpeculativeConfig | None = None
@@ -93,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_bytes must be a positive int, got {self.kv_cache_bytes!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"EngineConfig.model must be a path string or None, got {type(self.model).__name__}")
         if self.failpoints is not None and not isinstance(self.failpoints, str):

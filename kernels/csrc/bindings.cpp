@@ -12,6 +12,7 @@
 #include "mlx/version.h"
 #include "norm_rope.h"
 #include "paged_decode.h"
+#include "paged_prefill.h"
 #include "parallel.h"
 #include "qmm.h"
 
@@ -32,6 +33,12 @@ NB_MODULE(_kernels, m) {
         "queries (B, n_heads, hd); k_pool, v_pool (num_slots, n_kv_heads, hd) float32|float16|bfloat16;\n"
         "block_tables (B, max_blocks) int32; context_lens (B,) int32. Row b attends to positions\n"
         "max(0, ctx - window) .. ctx - 1 (window 0: all). Returns (B, n_heads, hd) float32.");
+  m.def("paged_prefill", &metrale::paged_prefill, "queries"_a, "k_pool"_a, "v_pool"_a, "block_table"_a,
+        nb::kw_only(), "first_position"_a, "scale"_a, "block_size"_a, "window"_a = 0,
+        "Prefill attention of one sequence's chunk over its paged pools on the CPU stream, flash style.\n\n"
+        "queries (q_len, n_heads, hd) at positions first_position..; k_pool, v_pool (num_slots, n_kv_heads, hd)\n"
+        "float32|float16|bfloat16; block_table (max_blocks,) int32. Position p attends to\n"
+        "max(0, p - window + 1) .. p (window 0: 0 .. p). Returns (q_len, n_heads, hd) float32.");
   m.def("causal_softmax", &metrale::causal_softmax, "scores"_a, nb::kw_only(), "offset"_a, "window"_a = 0,
         "Softmax of scores (..., q_len, L) float32 where query i keeps keys j <= i + offset and, with\n"
         "window > 0, j > i + offset - window; 0 elsewhere. Returns float32 of the same shape.");

@@ -8,6 +8,7 @@
 #include "activation_kernel.h"
 #include "attention_kernel.h"
 #include "norm_rope_kernel.h"
+#include "prefill_kernel.h"
 #include "qmm_kernel.h"
 #include "vecmath.h"
 
@@ -58,6 +59,20 @@ void decode_task(const DecodeDims& dm, Dtype dtype, const float* q, const void* 
   }
 }
 
+void prefill_task(const PrefillDims& dm, Dtype dtype, const float* q, const void* kp, const void* vp,
+                  const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end) {
+  if (dtype == Dtype::float32) {
+    kernel::prefill_task(dm, q, static_cast<const float*>(kp), static_cast<const float*>(vp), table, out, scratch, g,
+                         q_begin, q_end);
+  } else if (dtype == Dtype::float16) {
+    kernel::prefill_task(dm, q, static_cast<const kernel::f16_t*>(kp), static_cast<const kernel::f16_t*>(vp), table,
+                         out, scratch, g, q_begin, q_end);
+  } else {
+    kernel::prefill_task(dm, q, static_cast<const kernel::bf16_t*>(kp), static_cast<const kernel::bf16_t*>(vp), table,
+                         out, scratch, g, q_begin, q_end);
+  }
+}
+
 void causal_softmax_rows(const float* src, float* dst, int64_t row_begin, int64_t row_end, int length, int q_len,
                          int offset, int window) {
   for (int64_t r = row_begin; r < row_end; ++r) {
@@ -78,7 +93,9 @@ namespace metrale {
 const KernelTable* METRALE_CAT(kernel_table_, METRALE_ISA_NS)() {
   namespace isa = metrale::METRALE_ISA_NS;
   static const KernelTable table{
-      METRALE_STR(METRALE_ISA_NS), isa::decode_task, isa::causal_softmax_rows, isa::kernel::gated,
+      METRALE_STR(METRALE_ISA_NS), isa::decode_task,
+      isa::prefill_task,
+      isa::causal_softmax_rows, isa::kernel::gated,
       isa::kernel::rms_norm_rows, isa::kernel::rope_rows, isa::qmm::quantize, isa::qmm::panels,
   };
   return &table;

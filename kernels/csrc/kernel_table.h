@@ -20,6 +20,24 @@ struct DecodeDims {
   float scale;
 };
 
+// Paged prefill attention (attention_kernel.h): one sequence's chunk of q_len queries at positions
+// first_position .. first_position + q_len - 1 over its paged context, flash style (key tiles of
+// kPrefillKeys, online softmax), one task per (kv head, tile of kPrefillQueries queries).
+constexpr int kPrefillKeys = 64;
+constexpr int kPrefillQueries = 8;
+
+struct PrefillDims {
+  int q_len, n_heads, n_kv, head_dim, max_blocks, block_size, window, first_position;
+  int64_t num_blocks;
+  float scale;
+};
+
+// floats of scratch one prefill task needs: queries, widened K^T and V tiles, scores, outputs, max, sum
+constexpr int64_t prefill_scratch_floats(int rows, int head_dim) {
+  return static_cast<int64_t>(rows) * head_dim * 2 + 2LL * head_dim * kPrefillKeys +
+         static_cast<int64_t>(rows) * kPrefillKeys + 2LL * rows;
+}
+
 // Quantized matmul (qmm_kernel.h). A weight W (N, K) in MLX's affine form, w = q * scale + bias per
 // group of `group_size` along K, repacked at load (kernels/qmm.py) into panels of 16 rows:
 //   q       uint8 (P, 16 * K * bits / 8), panel p holds rows 16p .. 16p + 15:
@@ -71,6 +89,9 @@ struct KernelTable {
   // paged decode attention: one (sequence, kv head) task (attention_kernel.h)
   void (*decode_task)(const DecodeDims& dm, Dtype dtype, const float* q, const void* k_pool, const void* v_pool,
                       const int32_t* table, int ctx, float* out, float* scratch, int g);
+  // paged prefill attention: queries [q_begin, q_end) of the chunk, kv head g (attention_kernel.h)
+  void (*prefill_task)(const PrefillDims& dm, Dtype dtype, const float* q, const void* k_pool, const void* v_pool,
+                       const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end);
   // rows [row_begin, row_end) of a (..., q_len, length) score tensor, masked softmax into dst
   void (*causal_softmax_rows)(const float* src, float* dst, int64_t row_begin, int64_t row_end, int length,
                               int q_len, int offset, int window);

@@ -47,7 +47,7 @@ def serve_steps(setup: FollowerSetup, inbox, rank: int, hostfile: str, settings:
     mc = loaded.config
     with applied(settings.kernels):
         kv_cache = PagedKVCache(mc.num_hidden_layers, layout.num_blocks, layout.block_size,
-                                mc.num_key_value_heads // setup.size, mc.head_dim, loaded.dtype)
+                                mc.num_key_value_heads // setup.size, mc.head_dim, getattr(mx, layout.kv_dtype))
     backend = select_backends(settings.kernels).attention
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # the startup barrier
     logger.info("rank %d serving steps: %s, %d KV blocks", rank, loaded.describe_quantization(), layout.num_blocks)

@@ -119,9 +119,9 @@ class TensorParallelGroup:
         """Keep rank 0's share of `model` (load_model's `shard` hook)."""
         shard_model(model, self._group)
 
-    def start_steps(self, num_blocks: int, block_size: int) -> None:
+    def start_steps(self, num_blocks: int, block_size: int, kv_dtype: str = "float32") -> None:
         """Tell the followers the KV layout, then wait for every rank at a barrier (MLX thread)."""
-        self._send_all(KVLayout(num_blocks, block_size))
+        self._send_all(KVLayout(num_blocks, block_size, kv_dtype))
         self._barrier()
         self._deadline = None
         if self._hostfile is not None:  # every rank has read it by now

@@ -26,7 +26,9 @@ class FollowerSetup:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Every rank's paged pools: num_blocks blocks of block_size tokens (of its own kv heads)."""
+    """Every rank's paged pools: num_blocks blocks of block_size tokens (of its own kv heads), stored as
+    kv_dtype (an mx dtype name, rank 0's EngineConfig.kv_cache_dtype resolved)."""
 
     num_blocks: int
     block_size: int
+    kv_dtype: str = "float32"

@@ -122,7 +122,8 @@ async def _start_ranks(config: EngineConfig, settings: RuntimeSettings, failpoin
     loaded = await _on_mlx(mlx, settings, load_model, config.model, dtype=dtype, shard=group.shard)
     runner = await _on_mlx(mlx, settings, runner_factory, loaded, config, failpoints, group,
                            settings=settings.kernels)
-    await mlx.run(group.start_steps, runner.kv_cache.num_blocks, config.block_size)
+    kv_dtype = str(runner.kv_cache.dtype).removeprefix("mlx.core.")
+    await mlx.run(group.start_steps, runner.kv_cache.num_blocks, config.block_size, kv_dtype)
     logger.info("tensor parallel: %d ranks, each with its share of the heads and MLP and its own KV pools",
                 config.tensor_parallel_size)
     return Loaded(loaded, runner, group)

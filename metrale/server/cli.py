@@ -68,6 +68,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     engine.add_argument("--kv-cache-mib", type=int, default=defaults.kv_cache_bytes >> 20,
                         help="KV cache pool size in MiB, allocated once at start")
+    engine.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
+                        choices=("auto", "float32", "float16", "bfloat16"),
+                        help="dtype of the KV pools (auto: float16 on CPU, the activations' dtype on GPU)")
     engine.add_argument("--block-size", type=int, default=defaults.block_size)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=defaults.seed)
@@ -167,7 +170,7 @@ def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the serve flags describe (raises ValueError on bad values)."""
     return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-                        block_size=args.block_size, max_model_len=args.max_model_len,
+                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,

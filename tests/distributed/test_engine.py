@@ -16,7 +16,7 @@ from tests.metrale.model_helpers import write_tiny_model
 
 pytestmark = pytest.mark.distributed
 BLOCKS = 40  # of 4 tokens: too few for six 44-token requests at once, so some are preempted
-TP1_BLOCK_BYTES = 2048  # tiny model: 2 layers x K,V x 4 tokens x 2 kv heads x 16 x float32; a rank holds half
+TP1_BLOCK_BYTES = 1024  # tiny model: 2 layers x K,V x 4 tokens x 2 kv heads x 16 x float16; a rank holds half
 
 
 @pytest.fixture(scope="module")

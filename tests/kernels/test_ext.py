@@ -92,6 +92,25 @@ def test_causal_softmax_matches_numpy(offset, window):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_16_bit_pools_under_float32_queries(monkeypatch, dtype, window):
+    """The CPU default (float32 activations, 16-bit cache): decode rows and prefill chunks over the
+    16-bit pools give the reference's float32 attention over the same stored values."""
+    rng = np.random.default_rng(3)
+    cache, _, queries, md, _ = make_step(rng, [1, 9, 1, 17], [70, 9, 5, 40], block_size=8, n_heads=9, n_kv=3)
+    k_pool, v_pool = (p.astype(dtype) for p in cache.layer(0))
+    q = mx.array(queries)  # (T, H, D) float32
+    outs = []
+    for backend in ("reference", "auto"):
+        monkeypatch.setenv("METRALE_ATTENTION", backend)
+        out = paged_attention(q, k_pool, v_pool, md, 0.25, sliding_window=window)
+        assert out.dtype == mx.float32
+        outs.append(np.array(out))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_half_precision_pools(monkeypatch, dtype):
     ref, fast = both_backends(monkeypatch, [1, 1, 1, 6], [5, 40, 129, 9], dtype=dtype)
     np.testing.assert_allclose(fast, ref, rtol=2e-2, atol=2e-2)

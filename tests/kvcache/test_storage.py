@@ -28,6 +28,14 @@ def test_from_budget_fits_the_most_blocks(dtype):
     assert cache.layer(0)[0].dtype == dtype
 
 
+def test_sixteen_bit_pools_hold_twice_the_blocks_of_float32():
+    budget = 3 << 20
+    wide = PagedKVCache.from_budget(budget, 2, 16, 3, 64, mx.float32)
+    for dtype in (mx.float16, mx.bfloat16):
+        half = PagedKVCache.from_budget(budget, 2, 16, 3, 64, dtype)
+        assert half.num_blocks == 2 * wide.num_blocks and half.bytes == wide.bytes <= budget
+
+
 def test_from_budget_shares_the_budget_with_other_pools():
     own = PagedKVCache.bytes_per_block(2, 16, 3, 64)
     shared = 3 * own  # e.g. a draft model's pools, which hold as many blocks

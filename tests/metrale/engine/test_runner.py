@@ -19,7 +19,9 @@ def tiny_runner(tmp_path) -> tuple[ModelRunner, object]:
     reference, model = make_twins(config_dict)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(str(path), config_dict, tree_flatten(model.parameters()))
-    runner = ModelRunner.load(EngineConfig(model=str(path), kv_cache_bytes=1 << 20, block_size=BLOCK))
+    # a float32 cache: callers compare logprobs with the float32 reference to 1e-4
+    runner = ModelRunner.load(EngineConfig(model=str(path), kv_cache_bytes=1 << 20, block_size=BLOCK,
+                                           kv_cache_dtype="float32"))
     return runner, reference
 
 

@@ -1,0 +1,108 @@
+// The PagedPrefill primitive: graph construction, input checks and the CPU dispatch of prefill_kernel.h.
+// Tasks (query tile, kv head), the tiles with the most keys first, are spread over the kernel thread
+// pool. Block ids outside the pool give NaN rows, never an out-of-bounds read (the Python side checks
+// them first and raises).
+#include "paged_prefill.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "isa.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/utils.h"
+#include "parallel.h"
+#include "row_major.h"
+
+namespace metrale {
+
+namespace {
+
+constexpr int64_t kMinParallelWork = 1 << 16;  // query-key pairs x heads below which one thread is faster
+
+std::string shape_of(const mx::array& a) {
+  std::ostringstream os;
+  os << a.shape() << " " << a.dtype();
+  return os.str();
+}
+
+void run_prefill(const PrefillDims dm, Dtype dtype, const float* q, const void* kp, const void* vp,
+                 const int32_t* table, float* out) {
+  const auto& kernels = cpu_kernels();
+  const int tiles = (dm.q_len + kPrefillQueries - 1) / kPrefillQueries, n_tasks = tiles * dm.n_kv;
+  const int64_t keys = static_cast<int64_t>(dm.first_position) + dm.q_len;
+  const int64_t work = static_cast<int64_t>(dm.q_len) * (dm.window > 0 ? std::min<int64_t>(keys, dm.window) : keys) * dm.n_heads;
+  const int width = work < kMinParallelWork ? 1 : std::min(num_threads(), n_tasks);
+  const int rows = kPrefillQueries * (dm.n_heads / dm.n_kv);
+  const int64_t per_thread = prefill_scratch_floats(rows, dm.head_dim);
+  std::vector<float> scratch(per_thread * width);  // allocated here, so the tasks never allocate
+  parallel_for(n_tasks, width, [&](int task, int me) {
+    const int tile = tiles - 1 - task / dm.n_kv, g = task % dm.n_kv;  // the longest rows first
+    const int q_begin = tile * kPrefillQueries, q_end = std::min(dm.q_len, q_begin + kPrefillQueries);
+    kernels.prefill_task(dm, dtype, q, kp, vp, table, out, scratch.data() + me * per_thread, g, q_begin, q_end);
+  });
+}
+
+}  // namespace
+
+mx::array paged_prefill(const mx::array& queries, const mx::array& k_pool, const mx::array& v_pool,
+                        const mx::array& block_table, int first_position, float scale, int block_size, int window) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("paged_prefill: " + msg); };
+  if (queries.ndim() != 3) fail("queries must be (q_len, n_heads, head_dim), got " + shape_of(queries));
+  if (k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || k_pool.dtype() != v_pool.dtype())
+    fail("pools must both be (num_slots, n_kv_heads, head_dim) of one dtype, got " + shape_of(k_pool) + " and " +
+         shape_of(v_pool));
+  if (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16 && k_pool.dtype() != mx::bfloat16)
+    fail("pools must be float32, float16 or bfloat16, got " + shape_of(k_pool));
+  const int H = queries.shape(1), D = queries.shape(2), KV = k_pool.shape(1);
+  if (k_pool.shape(2) != D) fail("pool head_dim " + std::to_string(k_pool.shape(2)) + " != queries' " + std::to_string(D));
+  if (H % KV != 0) fail("n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KV));
+  if (D % 8 != 0 || D > kMaxHeadDim) fail("head_dim " + std::to_string(D) + " must be a multiple of 8 and at most 256");
+  if (block_table.ndim() != 1) fail("block_table must be (max_blocks,), got " + shape_of(block_table));
+  if (block_size < 1 || k_pool.shape(0) % block_size != 0)
+    fail("block_size " + std::to_string(block_size) + " must be >= 1 and divide num_slots " + std::to_string(k_pool.shape(0)));
+  if (first_position < 0) fail("first_position must be >= 0, got " + std::to_string(first_position));
+  if (static_cast<int64_t>(first_position) + queries.shape(0) > static_cast<int64_t>(block_table.shape(0)) * block_size)
+    fail("block_table of " + std::to_string(block_table.shape(0)) + " blocks does not cover position " +
+         std::to_string(first_position + queries.shape(0) - 1));
+  if (window < 0) fail("window must be >= 0 (0: no window), got " + std::to_string(window));
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {mx::astype(queries, mx::float32, s), k_pool, v_pool,
+                                   mx::astype(block_table, mx::int32, s)};
+  return mx::array(queries.shape(), mx::float32,
+                   std::make_shared<PagedPrefill>(s, first_position, scale, block_size, window), std::move(inputs));
+}
+
+void PagedPrefill::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& q = inputs[0];
+  const auto& kp = inputs[1];
+  const auto& vp = inputs[2];
+  const auto& table = inputs[3];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const Dtype dtype = kp.dtype() == mx::float32 ? Dtype::float32 : kp.dtype() == mx::float16 ? Dtype::float16
+                                                                                             : Dtype::bfloat16;
+  const PrefillDims dm{q.shape(0), q.shape(1), kp.shape(1), q.shape(2), table.shape(0), block_size_, window_, first_,
+                       kp.shape(0) / block_size_, scale_};
+  const RowMajor qin(q, encoder), kin(kp, encoder), vin(vp, encoder), tin(table, encoder);
+  encoder.dispatch([=, op = out.data<float>()] {
+    run_prefill(dm, dtype, qin.data<float>(), kin.data<void>(), vin.data<void>(), tin.data<int32_t>(), op);
+  });
+}
+
+void PagedPrefill::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("paged_prefill: CPU only; use the reference attention on GPU streams");
+}
+
+bool PagedPrefill::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PagedPrefill&>(other);
+  return first_ == o.first_ && scale_ == o.scale_ && block_size_ == o.block_size_ && window_ == o.window_;
+}
+
+}  // namespace metrale
