@@ -29,6 +29,8 @@ MAX_TEMPERATURE = 2.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100..100
+MAX_LOGIT_BIAS_ENTRIES = 1024  # token ids in logit_bias
+MAX_TOKEN_IDS = 65_536  # token ids in allowed_token_ids, and in stop_token_ids
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 # Client-chosen sizes, bounded before any work scales with them (each stop string is compiled into the
 # request's matcher, each bad word tokenized twice, when the request is submitted).
@@ -269,6 +271,8 @@ def _normalize_token_ids(ids: object, name: str = "stop_token_ids") -> tuple[int
         return ()
     if not isinstance(ids, (list, tuple)):
         raise InvalidParamsError(f"{name} must be a list of token ids, got {type(ids).__name__}", field=name)
+    if len(ids) > MAX_TOKEN_IDS:
+        raise InvalidParamsError(f"{name} must hold at most {MAX_TOKEN_IDS} token ids, got {len(ids)}", field=name)
     for token_id in ids:
         if not _is_int(token_id) or token_id < 0:
             raise InvalidParamsError(f"{name} must hold integers >= 0, got {token_id!r}", field=name)
@@ -303,6 +307,9 @@ def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
     if not isinstance(bias, dict):
         raise InvalidParamsError("logit_bias must be an object mapping token ids to numbers, got "
                                  f"{type(bias).__name__}", field="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidParamsError(f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(bias)}",
+                                 field="logit_bias")
     for token_id, value in bias.items():
         if not _is_int(token_id) or token_id < 0:
             raise InvalidParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}",

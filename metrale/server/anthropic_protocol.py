@@ -108,9 +108,9 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     """POST /v1/messages/count_tokens."""
 
     model: str
-    messages: list[Message]
+    messages: Annotated[list[Message], msgspec.Meta(max_length=protocol.MAX_MESSAGES)]
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=protocol.MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 

@@ -96,8 +96,8 @@ class _Common(msgspec.Struct, kw_only=True):
 class ChatRequest(_Common, kw_only=True):
     """POST /api/chat."""
 
-    messages: list[Message] = []
-    tools: list[dict[str, Any]] | None = None
+    messages: Annotated[list[Message], msgspec.Meta(max_length=protocol.MAX_MESSAGES)] = []
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=protocol.MAX_TOOLS)] | None = None
 
 
 class GenerateRequest(_Common, kw_only=True):

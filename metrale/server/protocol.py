@@ -23,6 +23,10 @@ from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from metrale.server.errors import APIError, bad_request, from_decode_error, request_field
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_MESSAGES = 4096  # turns of one chat request (the body's size bounds them too)
+MAX_TOOLS = 256  # tools of one request
+Messages = Annotated[list["ChatMessage"], msgspec.Meta(max_length=MAX_MESSAGES)]
+Tools = Annotated[list[Any], msgspec.Meta(max_length=MAX_TOOLS)]
 # The body's request_id, bounded like X-Request-Id (it names log lines and the response id)
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN,
                                         description="printable ASCII without spaces, like X-Request-Id")]
@@ -144,12 +148,12 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: Messages
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
-    tools: list[Any] | None = None
+    tools: Tools | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None

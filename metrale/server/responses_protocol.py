@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -38,13 +38,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     """POST /v1/responses."""
 
     model: str | None = None
-    input: str | list[Any]
+    input: str | Annotated[list[Any], msgspec.Meta(max_length=protocol.MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
-    tools: list[Any] | None = None
+    tools: protocol.Tools | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None

@@ -161,3 +161,14 @@ def test_the_largest_stop_and_bad_word_lists_are_taken():
     assert len(params.stop_strings) == MAX_STOP_STRINGS and len(params.bad_words) == MAX_BAD_WORDS
     with pytest.raises(ValueError, match=f"stop must hold at most {MAX_STOP_STRINGS} strings, got 150000"):
         SamplingParams(stop=["x"] * 150_000)
+
+
+def test_token_id_collections_are_bounded_before_they_are_read():
+    from metrale.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_TOKEN_IDS
+
+    with pytest.raises(ValueError, match="logit_bias must hold at most"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)})
+    for name in ("allowed_token_ids", "stop_token_ids"):
+        with pytest.raises(ValueError, match=f"{name} must hold at most"):
+            SamplingParams(**{name: list(range(MAX_TOKEN_IDS + 1))})
+    assert len(SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES)}).logit_bias) == 1024

@@ -221,3 +221,22 @@ async def test_off_values_of_refused_fields_pass(path):
     engine = FakeEngine()
     r = await call(ServerApp(engine, manage_engine=False), "POST", path, {**BASE[path], **off})
     assert r.status == 200, r.body
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(257)]},
+     "tools"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": list(range(65_537))}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(65_537))}, "stop_token_ids"),
+    ("/v1/messages", {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "x"}] * 4097}, "input"),
+])
+async def test_counts_a_client_chooses_are_bounded_before_any_work(path, body, field):
+    engine = FakeEngine()
+    r = await call(ServerApp(engine, manage_engine=False), "POST", path, {"model": "fake-model", **body})
+    assert r.status == 400 and field in r.body.decode()
+    assert engine.submitted == [] and engine.prepared == []
