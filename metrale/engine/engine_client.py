@@ -19,7 +19,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import signal
 import sys
 import time
@@ -92,10 +91,9 @@ class EngineProcess:
 
     async def _spawn(self) -> ipc.Ready:
         level = logging.getLevelName(logging.getLogger("metrale").getEffectiveLevel())
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "metrale.engine.engine_process", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, limit=ipc.MAX_FRAME_BYTES,
-            env={**os.environ, "METRALE_LOG_LEVEL": os.environ.get("METRALE_LOG_LEVEL", level)})
+        proc = await asyncio.create_subprocess_exec(  # the child logs at the front-end's level
+            sys.executable, "-m", "metrale.engine.engine_process", level, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, limit=ipc.MAX_FRAME_BYTES)
         self._proc = proc
         proc.stdin.write(ipc.frame(ipc.Start(msgspec.to_builtins(self.config))))
         try:

@@ -168,7 +168,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray prints go to stderr: stdout carries the frames
-    logging.basicConfig(level=os.environ.get("METRALE_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=sys.argv[1] if len(sys.argv) > 1 else "WARNING",  # the front-end's level
                         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
     inbox = sys.stdin.buffer
     status = 0

@@ -148,7 +148,7 @@ async def test_aborting_everything_returns_gauges_to_zero(server, model):
 def _raw_request(server: ServerProcess, payload: dict) -> socket.socket:
     body = json.dumps(payload).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock
 
@@ -157,13 +157,17 @@ def _raw_request(server: ServerProcess, payload: dict) -> socket.socket:
 def test_disconnect_frees_blocks(server, stream):
     aborted_before = server.metric("metrale_request_success_total", finished_reason="abort")
     sock = _raw_request(server, {"prompt": PROMPT, "max_tokens": 400, "stream": stream, "ignore_eos": True})
-    if stream:
-        received = b""
-        while received.count(b"data: ") < 3:  # mid-stream
-            received += sock.recv(65536)
-    else:
-        server.wait_for(lambda s: s.gauges()[0] == 1 and s.gauges()[2] > 0, 30, "request running")
-    sock.close()
+    try:
+        if stream:
+            received = b""
+            while received.count(b"data: ") < 3:  # mid-stream
+                chunk = sock.recv(65536)
+                assert chunk, f"the server closed the connection: {received[:300]!r}"
+                received += chunk
+        else:
+            server.wait_for(lambda s: s.gauges()[0] == 1 and s.gauges()[2] > 0, 30, "request running")
+    finally:
+        sock.close()  # the disconnect
     server.wait_for(lambda s: s.idle(), 60, "blocks freed after disconnect")
     # aborted, not run to its 400 tokens: the disconnect was noticed (counted, not timed)
     assert server.metric("metrale_request_success_total", finished_reason="abort") - aborted_before == 1

@@ -36,7 +36,7 @@ def runners() -> Runners:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(runners):
     # 8 MiB of float32 KV = 11 blocks of 16 tokens: four ~100-token requests must preempt each other
-    config = EngineConfig(kv_cache_bytes=8 << 20, max_model_len=256, max_num_seqs=8)
+    config = EngineConfig(kv_cache_bytes=8 << 20, max_model_len=256, max_num_seqs=8, kv_cache_dtype="float32")
     async with AsyncEngine(config, runner_factory=runners) as eng:
         yield eng
 
