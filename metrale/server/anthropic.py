@@ -21,7 +21,6 @@ stop_sequence), "max_tokens", or "tool_use" when the answer holds tool calls. Er
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -29,7 +28,7 @@ from metrale.engine.protocol import EngineClient
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
 from metrale.server import anthropic_protocol as ap
-from metrale.server import completions, protocol
+from metrale.server import chat_output, completions, protocol
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError
 
@@ -193,17 +192,7 @@ def _finished(block: dict[str, Any]) -> dict[str, Any]:
         return {"type": "text", "text": block["text"]}
     if block["type"] == "thinking":
         return {"type": "thinking", "thinking": block["thinking"], "signature": ""}
-    return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": _arguments(block["arguments"])}
-
-
-def _arguments(text: str) -> Any:
-    """A call's input object from the arguments' JSON text the parser assembled ({} when empty)."""
-    if not text.strip():
-        return {}
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return {"_raw_arguments": text}  # the model wrote something that is not JSON: hand it over as it is
+    return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": chat_output.arguments_object(block["arguments"])}
 
 
 async def _full_response(message: _Message, stream: Any, send: Send) -> None:

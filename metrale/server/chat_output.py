@@ -13,6 +13,7 @@ or not) is read from the prompt's last tokens.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,17 @@ class ToolCallStream:
         if calls:
             fields["tool_calls"] = calls
         return fields
+
+
+def arguments_object(text: str) -> Any:
+    """A parsed call's arguments as an object (Anthropic's `input`, Ollama's `arguments`) from the JSON text the
+    parser assembled: {} when empty; a model's text that is not JSON is handed over as {"_raw_arguments": text}."""
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return {"_raw_arguments": text}
 
 
 def reasoning_format(override: str | None, engine: Any) -> str | None:

@@ -17,7 +17,6 @@ nanoseconds. Tool calls arrive whole, in the last object; reasoning the chat tem
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -27,7 +26,7 @@ import msgspec
 from metrale.engine.protocol import EngineClient
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
-from metrale.server import completions, protocol
+from metrale.server import chat_output, completions, protocol
 from metrale.server import ollama_protocol as op
 from metrale.server.asgi import Receive, Send, run_until_disconnect, send_bytes, send_json
 from metrale.server.access import MethodNotAllowed
@@ -136,7 +135,7 @@ class _Answer:
                 message["thinking"] = thinking
             if tool_calls:
                 message["tool_calls"] = [{"function": {"index": index, "name": call["name"],
-                                                       "arguments": _arguments(call["arguments"])}}
+                                                       "arguments": chat_output.arguments_object(call["arguments"])}}
                                          for index, call in sorted(self.calls.items())]
             body["message"] = message
         else:
@@ -158,15 +157,6 @@ class _Answer:
         if not self.chat:
             body["context"] = []  # no resumable context: send the conversation again
         return body
-
-
-def _arguments(text: str) -> Any:
-    if not text.strip():
-        return {}
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return {"_raw_arguments": text}  # not JSON as the model wrote it: handed over as it is
 
 
 def _now() -> str:

@@ -6,37 +6,17 @@ with the KV integrity check."""
 from __future__ import annotations
 
 import pytest
-import pytest_asyncio
 
-from metrale import AsyncEngine, EngineConfig
 from metrale.errors import QueueFullError
 from metrale.server.app import ServerApp
 from metrale.server.protocol import MAX_PROMPTS
-from tests.metrale.engine_helpers import assert_clean, wait_idle
+from tests.server.tiny_engine import app, clean, engine  # noqa: F401 (fixtures)
 from tests.server.fakes import FakeEngine, call
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="module")]
 COMPLETIONS = "/v1/completions"
 PROMPTS = ["hello world, this is a prompt", "a different and longer prompt than the first one"]
 GREEDY = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_model):
-    config = EngineConfig(model=tiny_model, kv_cache_bytes=2 << 20, block_size=4, max_num_seqs=16,
-                          max_num_batched_tokens=128)
-    async with AsyncEngine(config) as eng:
-        yield eng
-
-
-@pytest.fixture
-def app(engine):
-    return ServerApp(engine, manage_engine=False)
-
-
-async def clean(engine) -> None:
-    await wait_idle(engine)
-    assert_clean(engine)
 
 
 async def one_by_one(app, prompts) -> list[dict]:

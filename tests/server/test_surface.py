@@ -7,11 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 
-from metrale import AsyncEngine, EngineConfig
-from metrale.server.app import ServerApp
-from tests.metrale.engine_helpers import assert_clean, wait_idle
+from tests.server.tiny_engine import app, clean, engine  # noqa: F401 (fixtures)
 from tests.server.fakes import call
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_scope="module")]
@@ -19,24 +16,6 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 PROMPT = "hello world, this is a prompt"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 GREEDY = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_model):
-    config = EngineConfig(model=tiny_model, kv_cache_bytes=2 << 20, block_size=4, max_num_seqs=16,
-                          max_num_batched_tokens=128)
-    async with AsyncEngine(config) as eng:
-        yield eng
-
-
-@pytest.fixture
-def app(engine):
-    return ServerApp(engine, manage_engine=False)
-
-
-async def clean(engine) -> None:
-    await wait_idle(engine)
-    assert_clean(engine)
 
 
 async def test_n_choices_are_indexed_and_usage_counts_the_prompt_once(app, engine):
