@@ -39,6 +39,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.server.fleet_helpers import stream_outcome  # noqa: E402  (the tests classify streams the same way)
 
 
 class Fleet:
@@ -88,11 +91,7 @@ async def one_request(client: httpx.AsyncClient, i: int, output_len: int) -> str
             if response.status_code != 200:
                 await response.aread()
                 return f"http {response.status_code}"
-            error = done = False
-            async for line in response.aiter_lines():
-                error = error or line.startswith('data: {"error"')
-                done = done or line == "data: [DONE]"
-            return ("error event" if error else "complete") if done else "cut"
+            return await stream_outcome(response)
     except httpx.ConnectError:
         return "connect"
     except httpx.TransportError:

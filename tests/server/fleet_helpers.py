@@ -130,3 +130,13 @@ def wait_gone(pids: set[int], timeout_s: float = 60.0) -> set[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
+
+
+async def stream_outcome(response) -> str:
+    """How a streamed completion (an httpx response with status 200) ended: "complete" ([DONE] after the last
+    token), "error event" (an error event, then [DONE]) or "cut" (no [DONE])."""
+    error = done = False
+    async for line in response.aiter_lines():
+        error = error or line.startswith('data: {"error"')
+        done = done or line == "data: [DONE]"
+    return ("error event" if error else "complete") if done else "cut"

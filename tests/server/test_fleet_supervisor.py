@@ -24,7 +24,8 @@ import time
 import pytest
 
 from metrale.server.fleet_supervisor import RestartBudget, SupervisorConfig
-from tests.server.fleet_helpers import FleetProcess, session_members, tiny_model, wait_gone  # noqa: F401
+from tests.server.fleet_helpers import (FleetProcess, session_members, stream_outcome, tiny_model,  # noqa: F401
+                                       wait_gone)
 
 KEY = "fleet-k3y"
 SERVED = "tiny"
@@ -98,11 +99,7 @@ async def stream(client, prompt: str, max_tokens: int) -> str:
             if response.status_code != 200:
                 assert json.loads(await response.aread())["error"]["message"]
                 return f"http {response.status_code}"
-            error = done = False
-            async for line in response.aiter_lines():
-                error = error or line.startswith('data: {"error"')
-                done = done or line == "data: [DONE]"
-            return ("error event" if error else "complete") if done else "cut"
+            return await stream_outcome(response)
     except httpx.TransportError:
         return "cut"
 
