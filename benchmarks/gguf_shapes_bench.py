@@ -9,9 +9,10 @@
 
 Random Q4_0 blocks (scales ~ 1 / (4.6 sqrt(K)), uniform nibbles) are written straight as bytes, so a file
 takes seconds; the files say a context length of 8192 (CONTEXT_LENGTH), and an existing file is reused
-only when its metadata is the shape's (read_shape). Measured in process (AsyncEngine, metrale's load generator): output throughput and TTFT at
-1 and 8 streams of --prompt-len 128 / --output-len 64 (greedy, ignore_eos, random token-id prompts), and
-prompt throughput of one --long-prompt-len 512 prompt (512 / TTFT). For llama.cpp on the same files:
+only when its metadata is the shape's (read_shape). Measured in process (AsyncEngine, metrale's load
+generator): output throughput and TTFT at 1 and 8 streams of --prompt-len 128 / --output-len 64 (greedy,
+ignore_eos, random token-id prompts), and prompt throughput of one --long-prompt-len 512 prompt
+(512 / TTFT). Against llama.cpp on the same files: benchmarks/peer_matrix.py (llama-1b, llama-3b), or
 benchmarks/compare_peers.py --model FILE (the command is printed).
 
     .venv/bin/python benchmarks/gguf_shapes_bench.py [--shapes llama-1b qwen3moe] [--dir /tmp/metrale-shapes]
@@ -209,7 +210,7 @@ async def measure(path: Path, vocab: int, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["llama-1b", "qwen3moe"])
     parser.add_argument("--dir", default="/tmp/metrale-shapes", help="where the GGUFs are written (and reused)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -76,7 +76,8 @@ def planned_shape(model: str, args: argparse.Namespace) -> tuple[dict, int]:
     return shape, estimate.weight_bytes(shape)
 
 
-def serving(args: argparse.Namespace, streams: int, prompt_len: int, output_len: int, **more: Any) -> argparse.Namespace:
+def serving(args: argparse.Namespace, streams: int, prompt_len: int, output_len: int,
+            **more: Any) -> argparse.Namespace:
     """`args` as compare_peers.open_* read them for servers sized to `streams` of prompt + output."""
     return argparse.Namespace(**{**vars(args), "streams": [streams], "prompt_len": prompt_len,
                                  "output_len": output_len, **more})

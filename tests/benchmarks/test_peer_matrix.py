@@ -60,8 +60,8 @@ def test_advantages_targets_and_the_table(peer_matrix):
 
     table = matrix_report.markdown(document)
     assert "| llama-1b | 512 + 64, 8 streams | output tok/s | 30.0 | 25.0 | 1.20x | >= 1.5x: missed |" in table
-    assert "| llama-3b | one 4096-token prompt | peak RSS (GiB, sum of VmHWM) | 2.50 | 2.40 | 0.96x | > 1.0x: missed |" \
-        in table
+    assert ("| llama-3b | one 4096-token prompt | peak RSS (GiB, sum of VmHWM) | 2.50 | 2.40 | 0.96x | "
+            "> 1.0x: missed |") in table
     assert "- 1B: output tok/s >= 1.5x at 8 streams: MISSED (1.20x, -20% against the target, 1 cell)" in table
     assert "- 3B: output tok/s >= 1.0x at 1 stream: not measured" in table
     assert "| 135m | 2048 + 64, 1 stream | TTFT p50 (s) | 1.00 | - | - | >= 1.0x: not measured |" in table
