@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import os
+import struct
 import sys
 import time
 from pathlib import Path
@@ -55,27 +57,71 @@ def expected_shape(name: str, *, layers: int | None = None, context_length: int 
     return shape
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_metadata(path: Path) -> dict[str, object]:
+    """A GGUF's key-value metadata: scalars and strings as values, arrays as their length. Parsed here
+    (gguf.GGUFReader takes seconds on a 128k-token vocabulary: it makes an array per token)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        offset = 24  # magic, version (u32), tensor count (u64)
+        (count,) = struct.unpack_from("<Q", data, 16)
+
+        def string() -> str:
+            nonlocal offset
+            (n,) = struct.unpack_from("<Q", data, offset)
+            offset += 8 + n
+            return data[offset - n:offset].decode("utf-8", errors="replace")
+
+        def scalar(kind: int) -> object:
+            nonlocal offset
+            if kind == _STRING:
+                return string()
+            value = struct.unpack_from(_SCALARS[kind], data, offset)[0]
+            offset += struct.calcsize(_SCALARS[kind])
+            return value
+
+        metadata: dict[str, object] = {}
+        for _ in range(count):
+            key = string()
+            (kind,) = struct.unpack_from("<I", data, offset)
+            offset += 4
+            if kind != _ARRAY:
+                metadata[key] = scalar(kind)
+                continue
+            item, n = struct.unpack_from("<IQ", data, offset)
+            offset += 12
+            if item == _ARRAY:
+                raise ValueError(f"{path}: an array of arrays in {key}")
+            if item == _STRING:
+                for _ in range(n):
+                    string()
+            else:
+                offset += n * struct.calcsize(_SCALARS[item])
+            metadata[key] = n
+    return metadata
+
+
 def read_shape(path: Path) -> dict:
     """The model shape a GGUF's metadata states (any llama-like file, e.g. the default 135M model): arch,
     layers, hidden, heads, kv_heads, head_dim, ffn, vocab, context_length (+ experts, top_k for MoE)."""
-    fields = gguf.GGUFReader(str(path)).fields
-
-    def value(key: str, default: object = None) -> object:
-        return fields[key].contents() if key in fields else default
-
-    arch = value("general.architecture")
+    fields = read_metadata(path)
+    arch = fields.get("general.architecture")
     if arch is None:
         raise ValueError(f"{path}: no general.architecture in the GGUF metadata")
-    hidden, heads = value(f"{arch}.embedding_length"), value(f"{arch}.attention.head_count")
-    shape = {"arch": arch, "layers": value(f"{arch}.block_count"), "hidden": hidden, "heads": heads,
-             "kv_heads": value(f"{arch}.attention.head_count_kv", heads),
-             "head_dim": value(f"{arch}.attention.key_length", hidden // heads),
-             "ffn": value(f"{arch}.feed_forward_length"),
-             "vocab": value(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"].data),
-             "context_length": value(f"{arch}.context_length")}
+    hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
+    shape = {"arch": arch, "layers": fields[f"{arch}.block_count"], "hidden": hidden, "heads": heads,
+             "kv_heads": fields.get(f"{arch}.attention.head_count_kv", heads),
+             "head_dim": fields.get(f"{arch}.attention.key_length", hidden // heads),
+             "ffn": fields.get(f"{arch}.feed_forward_length"),
+             "vocab": fields.get(f"{arch}.vocab_size") or fields["tokenizer.ggml.tokens"],
+             "context_length": fields[f"{arch}.context_length"]}
     if f"{arch}.expert_count" in fields:
-        shape |= {"experts": value(f"{arch}.expert_count"), "top_k": value(f"{arch}.expert_used_count"),
-                  "ffn": value(f"{arch}.expert_feed_forward_length", shape["ffn"])}
+        shape |= {"experts": fields[f"{arch}.expert_count"], "top_k": fields[f"{arch}.expert_used_count"],
+                  "ffn": fields.get(f"{arch}.expert_feed_forward_length", shape["ffn"])}
     return shape
 
 

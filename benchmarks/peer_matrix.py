@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import compare_peers
 import gguf_shapes_bench as shapes
@@ -100,9 +100,9 @@ async def open_engine(stack: contextlib.AsyncExitStack, engine: str, sized: argp
                                             max_model_len=min(context, shape["context_length"]))
 
 
-async def measure_cells(model: str, path: Path, shape: dict, args: argparse.Namespace,
-                        binary: Path | None) -> tuple[list[dict], dict]:
-    """Every cell on every engine of `model`; (runs, each engine's info)."""
+async def measure_cells(model: str, path: Path, shape: dict, args: argparse.Namespace, binary: Path | None,
+                        record: Callable[[dict], None]) -> dict[str, dict]:
+    """Every cell on every engine of `model`, each run given to `record` as it ends; each engine's info."""
     sized = serving(args, max(args.streams), max(args.prompt_lens), max(args.output_lens))
     async with contextlib.AsyncExitStack() as stack:
         peers = [await open_engine(stack, e, sized, path, shape, binary) for e in args.engines]
@@ -111,7 +111,6 @@ async def measure_cells(model: str, path: Path, shape: dict, args: argparse.Name
             log(f"{model} {peer.name}: {peer.info}")
             await run_benchmark(peer.target, random_requests(2, 32, 4, seed=args.seed + 99, vocab_size=shape["vocab"]),
                                 show_progress=False)
-        runs = []
         for i, cell in enumerate(cells(args)):
             plan = compare_peers.Plan(streams=(cell.streams,), rounds=args.rounds, prompt_len=cell.prompt_len,
                                       output_len=cell.output_len, vocab_size=shape["vocab"],
@@ -122,9 +121,9 @@ async def measure_cells(model: str, path: Path, shape: dict, args: argparse.Name
                 for peer in [*peers[first:], *peers[:first]]:
                     log(f"{model}: prompt {cell.prompt_len}, output {cell.output_len}, round {round_ + 1}")
                     result = await compare_peers.measure_one(peer, round_, cell.streams, plan, watched)
-                    runs.append({"model": model, "prompt_len": cell.prompt_len, "output_len": cell.output_len,
-                                 "round": round_ + 1, **result})
-        return runs, {p.name: p.info for p in peers}
+                    record({"model": model, "prompt_len": cell.prompt_len, "output_len": cell.output_len,
+                            "round": round_ + 1, **result})
+        return {p.name: p.info for p in peers}
 
 
 async def measure_rss(engine: str, path: Path, shape: dict, args: argparse.Namespace,
@@ -195,24 +194,48 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def run(args: argparse.Namespace, planned: dict[str, Any]) -> dict[str, Any]:
+class Results:
+    """What a matrix run has measured so far, saved (JSON + table) after every cell and RSS record, so that
+    a run stopped half way keeps what it measured ("complete": false in its timing)."""
+
+    def __init__(self, args: argparse.Namespace, planned: dict[str, Any]) -> None:
+        self.args, self.planned = args, planned
+        self.started = time.monotonic()
+        self.runs: list[dict] = []
+        self.rss: dict[str, dict] = {}
+        self.engines: dict[str, dict] = {}
+        self.per_model_s: dict[str, float] = {}
+
+    def add_run(self, run: dict[str, Any]) -> None:
+        self.runs.append(run)
+        self.save(complete=False)
+
+    def add_rss(self, model: str, engine: str, record: dict[str, Any]) -> None:
+        self.rss.setdefault(model, {})[engine] = record
+        self.save(complete=False)
+
+    def document(self, complete: bool) -> dict[str, Any]:
+        timing = {"complete": complete, "total_s": round(time.monotonic() - self.started, 1),
+                  "per_model_s": self.per_model_s, "estimate_s": self.planned["total_s"], "estimate": self.planned}
+        return matrix_report.result_document(self.runs, self.rss, self.engines, vars(self.args), timing)
+
+    def save(self, complete: bool) -> list[Path]:
+        return matrix_report.save(self.document(complete), Path(self.args.out_dir), self.args.name)
+
+
+async def run(args: argparse.Namespace, results: Results) -> None:
     from peers import servers
 
     binary = servers.llama_server_binary(args.llama_server) if "llama.cpp" in args.engines else None
-    started, runs, rss, engines, per_model = time.monotonic(), [], {}, {}, {}
     for model in args.models:
         model_started = time.monotonic()
         path = model_path(model, args)
         shape = shapes.read_shape(path)
         log(f"{model}: {path} ({path.stat().st_size / 2**30:.2f} GiB), {shape}")
-        model_runs, engines[model] = await measure_cells(model, path, shape, args, binary)
-        runs += model_runs
-        if args.rss_prompt_len:
-            rss[model] = {e: await measure_rss(e, path, shape, args, binary) for e in args.engines}
-        per_model[model] = round(time.monotonic() - model_started, 1)
-    timing = {"total_s": round(time.monotonic() - started, 1), "per_model_s": per_model,
-              "estimate_s": planned["total_s"], "estimate": planned}
-    return matrix_report.result_document(runs, rss, engines, vars(args), timing)
+        results.engines[model] = await measure_cells(model, path, shape, args, binary, results.add_run)
+        for engine in args.engines if args.rss_prompt_len else ():
+            results.add_rss(model, engine, await measure_rss(engine, path, shape, args, binary))
+        results.per_model_s[model] = round(time.monotonic() - model_started, 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -227,9 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{max(args.streams)} streams); {available:.1f} GiB is available", file=sys.stderr, flush=True)
     if args.estimate_only:
         return 0
-    document = asyncio.run(run(args, planned))
+    results = Results(args, planned)
+    asyncio.run(run(args, results))
+    document = results.document(complete=True)
     print(matrix_report.markdown(document))
-    for path in matrix_report.save(document, Path(args.out_dir), args.name):
+    for path in results.save(complete=True):
         print(f"wrote {path}")
     ok = all(r["token_counts_ok"] for r in document["runs"]) and all(
         record["ok"] for by_engine in document["rss"].values() for record in by_engine.values())

@@ -188,7 +188,8 @@ def conditions(document: Mapping[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs, metrale {m['metrale_commit']}. Other processes used at most "
         f"{others:.0%} of the machine during a run; {disturbed} disturbed runs were repeated; token counts as asked "
         f"in every run: {all(r['token_counts_ok'] for r in runs)}.",
-        f"Wall time {timing.get('total_s', 0):.0f} s (estimated beforehand: {timing.get('estimate_s', 0):.0f} s); "
+        ("" if timing.get("complete", True) else "INCOMPLETE: the run stopped before its end; ")
+        + f"Wall time {timing.get('total_s', 0):.0f} s (estimated beforehand: {timing.get('estimate_s', 0):.0f} s); "
         "per model: " + ", ".join(f"{k} {v:.0f} s" for k, v in timing.get("per_model_s", {}).items()) + ".",
     ])
 

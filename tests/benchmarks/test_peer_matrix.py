@@ -126,3 +126,16 @@ def test_the_matrix_on_the_tiniest_settings(peer_matrix, tmp_path):
     assert table.startswith("| model | workload (prompt + output) | measure | metrale | llama.cpp |")
     assert "| 135m | 8 + 4, 2 streams | output tok/s |" in table and "Targets (issue 23)" in table
     assert document["timing"]["total_s"] > 0 and document["timing"]["estimate_s"] > 0
+
+
+def test_a_run_stopped_half_way_keeps_what_it_measured(peer_matrix, tmp_path):
+    args = peer_matrix.parse_args(["--models", "llama-1b", "--out-dir", str(tmp_path), "--name", "p"])
+    results = peer_matrix.Results(args, {"total_s": 5})
+    results.add_run(made_up_run("llama-1b", "metrale", 1, 12.0, 2.0))
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["timing"]["complete"] is False and len(saved["runs"]) == 1
+    results.add_rss("llama-1b", "metrale", rss_record(1.0, 0.9))
+    assert json.loads((tmp_path / "p.json").read_text())["rss"]["llama-1b"]["metrale"]["ok"]
+    assert "INCOMPLETE" in (tmp_path / "p.md").read_text()
+    results.save(complete=True)
+    assert "INCOMPLETE" not in (tmp_path / "p.md").read_text()
