@@ -130,7 +130,8 @@ def judge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def result_document(runs: list[dict[str, Any]], rss: Mapping[str, Any], engines: Mapping[str, Any],
                     args: Mapping[str, Any], timing: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON document: date, machine, arguments, engines per model, timing, rows, targets, RSS records, runs."""
-    rows = cell_rows(runs) + rss_rows(rss)
+    models = list(dict.fromkeys([*(r["model"] for r in runs), *rss]))
+    rows = sorted(cell_rows(runs) + rss_rows(rss), key=lambda row: models.index(row["model"]))  # stable: by model
     targets = judge(rows)
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
             "args": dict(args), "engines": dict(engines), "timing": dict(timing), "rows": rows, "targets": targets,

@@ -42,6 +42,7 @@ def test_advantages_targets_and_the_table(peer_matrix):
     rss = {"llama-3b": {"metrale": rss_record(2.5, 2.0), "llama.cpp": rss_record(2.4, 2.4)}}
     document = matrix_report.result_document(runs, rss, {"llama-1b": {"metrale": {"transport": "HTTP"}}},
                                              {"rounds": 1}, {"total_s": 12.0, "estimate_s": 10})
+    assert [r["model"] for r in document["rows"]] == ["llama-1b"] * 6 + ["135m"] * 3 + ["llama-3b"] * 2
     rows = {(r["model"], r.get("streams"), r["measure"]): r for r in document["rows"]}
     assert rows[("llama-1b", 1, "output_tok_s")]["advantage"] == pytest.approx(1.2)
     assert rows[("llama-1b", 1, "ttft_p50_s")]["advantage"] == pytest.approx(1.5)  # llama.cpp / metrale
