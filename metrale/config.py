@@ -54,8 +54,8 @@ class EngineConfig:
     generation_config: "auto" takes the model's sampling defaults (generation_config.json, a GGUF's
         general.sampling.*) for what a server request leaves unset; "vllm" ignores them (vLLM's flag).
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
-        max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
-        model's context length, capped at 8192, when the engine starts.
+        max_waiting, policy, block_size, enable_prefix_caching, max_step_ms, min_prefill_chunk);
+        max_model_len None takes the model's context length, capped at 8192, when the engine starts.
     """
 
     model: str | None = None

@@ -48,7 +48,8 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, mlx_thread: MLXThread,
                  metrics: EngineMetrics, failpoints: Failpoints = NO_FAILPOINTS,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock` times each step's forward for the scheduler's step cost model (tests inject one)."""
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = metrics
@@ -65,6 +66,7 @@ class EngineCore:
         self._wake = asyncio.Event()
         self._failed_steps_in_a_row = 0
         self._speculator = speculator
+        self._clock = clock
         self._finished_since_step: list[str] = []  # told to the runner with the next step
         self._groups = RequestGroups()  # parallel sampling's sequences
         self.on_outputs: Callable[[list[EngineOutput]], None] | None = None  # the front-end, set by the owner
@@ -173,7 +175,10 @@ class EngineCore:
         self._stats.begin(output, self.states)
         self.step_started = time.monotonic()
         try:
+            forward_started = self._clock()
             rows = await self._executor.execute(self._step_input(output))
+            if not any(row.error is not None for row in rows.values()):  # a failed step's time says nothing
+                self.scheduler.observe_step(output, self._clock() - forward_started)
         finally:
             self._note_step_time(time.monotonic() - self.step_started)
             self.step_started = None
