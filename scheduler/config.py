@@ -44,7 +44,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_step_ms: float | None = None
-    min_prefill_chunk: int = 32
+    min_prefill_chunk: int = 8
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
