@@ -4,7 +4,8 @@
     GET  /metrics                Prometheus text from the engine's registry (+ vLLM-named gauge aliases)
     GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
                                  what routers read from a replica: see worker_api.py
-    GET  /v1/models[/{id}]       the one served model
+    GET  /v1/models[/{id}]       the served model and its LoRA adapters (lora.py)
+    POST /v1/load_lora_adapter /v1/unload_lora_adapter   with --enable-runtime-lora-updating (lora.py)
     GET  /openapi.json           the routes and request bodies as OpenAPI 3.1 (see openapi.py)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
@@ -33,7 +34,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, ollama, openapi, responses, tokenize, worker_api
+from metrale.server import anthropic, completions, lora, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -69,6 +70,9 @@ class ServerApp:
         routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
+    lora_modules: LoRA adapters registered once the engine has started (a bad one is a startup failure).
+    enable_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.py says why
+        they are off by default).
     """
 
     def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
@@ -77,7 +81,8 @@ class ServerApp:
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
-                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False) -> None:
+                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False,
+                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -90,6 +95,8 @@ class ServerApp:
         self.access = AccessControl(api_key, self.cors, allowed_hosts if allowed_hosts is not None else HostPolicy())
         self.on_fatal = on_fatal
         self.vllm_metric_aliases = vllm_metric_aliases
+        self.lora_modules = tuple(lora_modules)
+        self.enable_runtime_lora_updating = enable_runtime_lora_updating
         self.startup_error: BaseException | None = None
         self._served_model_name = served_model_name
         self.model_aliases = tuple(model_aliases)
@@ -207,13 +214,16 @@ class ServerApp:
                 return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
             return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
                                             send, receive, **options)
+        if path in lora.PATHS and self.enable_runtime_lora_updating:
+            return await lora.handle(self.engine, path, await self._json_body(scope, receive), send)
         if path == "/v1/models":
-            return await self._only(scope, send_json(send, 200, {"object": "list", "data": [self._model_card()]}))
+            return await self._only(scope, send_json(send, 200, {"object": "list", "data": self._model_cards()}))
         if path.startswith("/v1/models/"):
             model = path.removeprefix("/v1/models/")
-            if model != self.model_name and model not in self.model_aliases:
+            cards = [card for card in self._model_cards() if card["id"] == model or model in card.get("aliases", ())]
+            if not cards:
                 raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-            return await self._only(scope, send_json(send, 200, self._model_card()))
+            return await self._only(scope, send_json(send, 200, cards[0]))
         raise APIError(404, f"no route for {path}", code="not_found")
 
     @staticmethod
@@ -263,6 +273,11 @@ class ServerApp:
             self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
         return self._openapi_document
 
+    def _model_cards(self) -> list[dict[str, Any]]:
+        """The served model's card, then its LoRA adapters' (known once the engine has started)."""
+        adapters = lora.model_cards(self.engine, self.model_name, self._created) if self._started else []
+        return [self._model_card(), *adapters]
+
     def _model_card(self) -> dict[str, Any]:
         """vLLM's model card, with the other ids requests may use for the model (answered as it)."""
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",
@@ -287,6 +302,7 @@ class ServerApp:
     async def _start_engine(self) -> None:
         try:
             await self.engine.start()
+            await lora.register(self.engine, self.lora_modules, self.model_name)
         except asyncio.CancelledError:
             raise
         except Exception as error:

@@ -319,6 +319,14 @@ def template_kwargs(request: Any) -> dict[str, Any]:
     return kwargs
 
 
+def model_or_adapter(requested: str | None, served: str, aliases: tuple[str, ...], engine: Any) -> tuple[str, str | None]:
+    """(the model name to report, the LoRA adapter to run with or None): a registered adapter's name (vLLM's
+    `model: <adapter>`) runs the base model with it; otherwise as `model_or_404`."""
+    if requested is not None and requested != served and requested not in aliases and requested in engine.list_loras():
+        return requested, requested
+    return model_or_404(requested, served, aliases), None
+
+
 def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:
     """The model name to report (`served`, also for an alias); a 404 when the request names a model
     this server does not serve."""

@@ -98,7 +98,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
     request = protocol.decode(body, rp.ResponsesRequest)
     if unknown_fields is not None:
         unknown_fields.check(body, rp.ResponsesRequest, "/v1/responses")
-    model = protocol.model_or_404(request.model, served_model, model_aliases)
+    model, lora = protocol.model_or_adapter(request.model, served_model, model_aliases, engine)
     rp.refuse_unsupported(request)
     params = rp.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
@@ -113,7 +113,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
         messages = tools.template_messages(rp.chat_messages(request), plan, tool_call_format or engine.tool_call_format)
         prompt_ids = await engine.chat_token_ids(messages, tools=plan.template_tools if plan is not None else None,
                                                  **rp.template_kwargs(request))
-        stream = engine.generate(prompt_ids, params, request_id=request_id or response.id)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or response.id, lora=lora)
     except APIError:
         raise
     except Exception as error:
