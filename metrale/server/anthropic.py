@@ -75,7 +75,7 @@ async def _count_tokens(engine: EngineClient, served_model: str, body: bytes, se
                         model_aliases: tuple[str, ...]) -> None:
     request = protocol.decode(body, ap.CountTokensRequest)
     chat = ap.to_chat_request(request)
-    protocol.model_or_404(chat.model, served_model, model_aliases)
+    protocol.model_or_adapter(chat.model, served_model, model_aliases, engine)  # an adapter counts as its base
     prompt_ids = await completions.prompt_token_ids(engine, chat)
     await send_json(send, 200, {"input_tokens": len(prompt_ids)})
 

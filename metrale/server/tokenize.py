@@ -44,7 +44,7 @@ async def handle(engine: EngineClient, served_model: str, path: str, body: bytes
                  model_aliases: tuple[str, ...] = ()) -> None:
     if path == "/detokenize":
         request = protocol.decode(body, DetokenizeRequest)
-        protocol.model_or_404(request.model, served_model, model_aliases)
+        protocol.model_or_adapter(request.model, served_model, model_aliases, engine)  # adapters: the base's tokenizer
         if len(request.tokens) > engine.max_model_len:
             raise bad_request(f"tokens holds {len(request.tokens)} ids; at most max_model_len "
                               f"({engine.max_model_len}) are decoded", "tokens")
@@ -52,7 +52,7 @@ async def handle(engine: EngineClient, served_model: str, path: str, body: bytes
             token_ids = await engine.prompt_token_ids(request.tokens)  # checks every id against the vocabulary
         return await send_json(send, 200, {"prompt": engine.decode(token_ids)})
     request = protocol.decode(body, TokenizeRequest)
-    protocol.model_or_404(request.model, served_model, model_aliases)
+    protocol.model_or_adapter(request.model, served_model, model_aliases, engine)  # adapters: the base's tokenizer
     token_ids = await _token_ids(engine, request)
     await send_json(send, 200, {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids,
                                 "token_strs": engine.token_texts(token_ids) if request.return_token_strs else None})

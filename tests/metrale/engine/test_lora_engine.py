@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from metrale import AsyncEngine, EngineConfig, SamplingParams
+from metrale import LLM, AsyncEngine, EngineConfig, SamplingParams
 from metrale.errors import InvalidLoraAdapterError, LoraNotFoundError
 from metrale.loading import load_model
 from tests.metrale.engine_helpers import Runners, assert_clean, collect, wait_idle
@@ -115,4 +115,37 @@ async def test_unknown_adapters_and_bad_folders_are_typed_refusals(tiny_model, a
         with pytest.raises(LoraNotFoundError):
             engine.generate(PROMPT, GREEDY, lora="A")
         assert engine.stats().requests_unfinished == 0
+        assert_clean(engine)
+
+
+def test_llm_takes_one_adapter_per_prompt(tiny_model, adapters):
+    with LLM(config(tiny_model)) as llm:
+        llm.add_lora("A", adapters["A"])
+        (lone,) = llm.generate(PROMPT, GREEDY, lora="A")
+        mixed = llm.generate([PROMPT, PROMPT], GREEDY, lora=["A", None])
+        assert mixed[0].token_ids == lone.token_ids != mixed[1].token_ids
+        with pytest.raises(ValueError, match="one per prompt"):
+            llm.generate([PROMPT, PROMPT], GREEDY, lora=["A"])
+        assert llm.remove_lora("A")
+        with pytest.raises(LoraNotFoundError):
+            llm.generate(PROMPT, GREEDY, lora="A")
+
+
+@pytest.mark.real_model
+@pytest.mark.timeout(600)
+async def test_quantized_default_model_mixed_batch_equals_lone(tmp_path):
+    """SmolLM2-135M Q4_1 on the CPU kernels (fused qkv and gate/up): adapters A and B and the base in one batch."""
+    model_config = load_model(None).config
+    paths = {"A": write_mlx_adapter(tmp_path / "A", random_adapter(model_config, 8, seed=1), rank=8, scale=0.5),
+             "B": write_peft_adapter(tmp_path / "B", random_adapter(model_config, 16, seed=2), rank=16, alpha=8.0)}
+    prompt = list(range(1000, 1024))
+    async with AsyncEngine(EngineConfig(kv_cache_bytes=64 << 20, max_model_len=512)) as engine:
+        for name, path in paths.items():
+            await engine.add_lora(name, str(path))
+        lone = {name: await tokens(engine, prompt, lora=name) for name in ("A", "B", None)}
+        streams = [engine.generate(prompt, GREEDY, lora=name) for name in ("A", "B", None, "A")]
+        mixed = [r[0] for r in await asyncio.gather(*(collect(s) for s in streams))]
+        assert mixed == [lone["A"], lone["B"], lone[None], lone["A"]]
+        assert lone["A"] != lone[None] and lone["B"] != lone[None]
+        await wait_idle(engine)
         assert_clean(engine)
