@@ -99,12 +99,16 @@ class LoraBank:
         if a is None:
             return None
         slots = self.token_slots
-        xa = mx.gather_mm(x.astype(self.dtype)[:, None, :], a, rhs_indices=slots)  # (T, 1, rank)
-        return mx.gather_mm(xa, self.b[module], rhs_indices=slots)[:, 0, :]  # (T, out)
+        rows = x if x.dtype == self.dtype else x.astype(self.dtype)
+        xa = mx.gather_mm(mx.expand_dims(rows, 1), a, rhs_indices=slots)  # (T, 1, rank)
+        delta = mx.gather_mm(xa, self.b[module], rhs_indices=slots)  # (T, 1, out)
+        return mx.squeeze(delta, 1)  # (T, out)
 
 
 def _plus(y: mx.array, delta: mx.array | None) -> mx.array:
-    return y if delta is None else y + delta.astype(y.dtype)
+    if delta is None:
+        return y
+    return y + (delta if delta.dtype == y.dtype else delta.astype(y.dtype))
 
 
 class LoraLinear(nn.Module):

@@ -12,7 +12,8 @@ import pytest_asyncio
 from metrale import AsyncEngine, EngineConfig, SamplingParams
 from metrale.loading import load_model
 from metrale.server.app import ServerApp
-from metrale.server.lora import LoraModule, parse_lora_module
+from metrale.errors import InvalidLoraAdapterError
+from metrale.server.lora import LoraModule, parse_lora_module, register
 from tests.metrale.engine_helpers import assert_clean, wait_idle
 from tests.metrale.lora_helpers import random_adapter, write_mlx_adapter, write_peft_adapter
 from tests.server.fakes import call
@@ -95,6 +96,16 @@ async def test_route_errors_follow_vllm(engine, adapters, tmp_path):
     closed = ServerApp(engine, manage_engine=False)  # without the flag the routes do not exist
     assert (await call(closed, "POST", load, {"lora_name": "B", "lora_path": adapters["B"]})).status == 404
     assert engine.list_loras() == {}
+
+
+@ON_MODULE_LOOP
+async def test_startup_adapters_must_fit_the_served_model(engine, adapters, tmp_path):
+    with pytest.raises(ValueError, match="is for base model 'other'"):
+        await register(engine, (LoraModule("A", adapters["A"], "other"),), engine.model_name)
+    with pytest.raises(InvalidLoraAdapterError, match="not a folder"):
+        await register(engine, (LoraModule("X", str(tmp_path / "none")),), engine.model_name)
+    await register(engine, (LoraModule("A", adapters["A"], engine.model_name),), engine.model_name)
+    assert engine.list_loras() == {"A": adapters["A"]} and engine.remove_lora("A")
 
 
 def test_lora_modules_flag_takes_name_path_and_vllm_json():
