@@ -10,7 +10,7 @@ import json
 import pytest
 
 from metrale import LLM, AsyncEngine, EngineConfig, SamplingParams
-from metrale.errors import InvalidLoraAdapterError, LoraNotFoundError
+from metrale.errors import InvalidLoraAdapterError, LoraNotFoundError, RequestFailedError
 from metrale.loading import load_model
 from tests.metrale.engine_helpers import Runners, assert_clean, collect, wait_idle
 from tests.metrale.lora_helpers import random_adapter, write_mlx_adapter, write_peft_adapter
@@ -147,5 +147,23 @@ async def test_quantized_default_model_mixed_batch_equals_lone(tmp_path):
         mixed = [r[0] for r in await asyncio.gather(*(collect(s) for s in streams))]
         assert mixed == [lone["A"], lone["B"], lone[None], lone["A"]]
         assert lone["A"] != lone[None] and lone["B"] != lone[None]
+        await wait_idle(engine)
+        assert_clean(engine)
+
+
+async def test_an_adapter_that_no_longer_loads_fails_its_requests_alone(tiny_model, adapters, tmp_path):
+    import shutil
+
+    folder = tmp_path / "gone"
+    shutil.copytree(adapters["A"], folder)
+    async with AsyncEngine(config(tiny_model)) as engine:
+        await engine.add_lora("gone", str(folder))
+        base = await tokens(engine)
+        shutil.rmtree(folder)  # registered, then deleted before its first request loads it
+        doomed = engine.generate(PROMPT, GREEDY, lora="gone")
+        fine = engine.generate(PROMPT, GREEDY)
+        with pytest.raises(RequestFailedError, match="not a folder"):
+            await collect(doomed)
+        assert (await collect(fine))[0] == base
         await wait_idle(engine)
         assert_clean(engine)
