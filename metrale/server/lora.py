@@ -3,10 +3,11 @@
     --lora-modules NAME=PATH | '{"name": ..., "path": ..., "base_model_name": ...}'   (repeatable)
         registered when the engine has started; a folder that does not fit the model stops the server
     GET  /v1/models                   each adapter is a model: {"id": NAME, "root": PATH, "parent": <base model>}
+                                      (resolve.SingleModel.listing)
     POST /v1/load_lora_adapter        {"lora_name", "lora_path"}  -> 200 "Success: LoRA adapter 'x' added successfully."
     POST /v1/unload_lora_adapter      {"lora_name"}               -> 200 "Success: LoRA adapter 'x' removed successfully."
 
-A request's `"model": NAME` runs the base model with that adapter (protocol.model_or_adapter). The two
+A request's `"model": NAME` runs the base model with that adapter (resolve.py: Target.adapter). The two
 runtime routes exist only with `--enable-runtime-lora-updating` (vLLM gates them behind
 VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make the server read a folder a client names, so whoever may call
 them can probe the server's file system through the error messages; an operator turns them on knowingly,
@@ -67,13 +68,6 @@ async def register(engine: Any, modules: tuple[LoraModule, ...], served_model: s
             raise ValueError(f"LoRA adapter {module.name!r} is for base model {module.base_model_name!r}; "
                              f"this server serves {served_model!r}")
         await engine.add_lora(module.name, module.path)
-
-
-def model_cards(engine: Any, base_model: str, created: int) -> list[dict[str, Any]]:
-    """vLLM's model card of every registered adapter."""
-    return [{"id": name, "object": "model", "created": created, "owned_by": "metrale", "root": path,
-             "parent": base_model, "max_model_len": engine.max_model_len}
-            for name, path in engine.list_loras().items()]
 
 
 class LoadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=False):
