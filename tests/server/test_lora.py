@@ -65,6 +65,11 @@ async def test_load_use_list_and_unload_an_adapter(engine, adapters):
     assert (await call(app, "POST", "/v1/chat/completions", chat, KEY)).json()["model"] == "A"
     r = await call(app, "POST", "/tokenize", {"model": "A", "prompt": PROMPT}, KEY)  # the base's tokenizer
     assert r.status == 200 and r.json()["count"] > 0
+    anthropic = {"model": "A", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = await call(app, "POST", "/v1/messages", anthropic, KEY)
+    assert r.status == 200 and r.json()["model"] == "A"
+    r = await call(app, "POST", "/api/chat", {**anthropic, "stream": False}, KEY)
+    assert r.status == 200 and r.json()["model"] == "A"
 
     r = await call(app, "POST", "/v1/unload_lora_adapter", {"lora_name": "A"}, KEY)
     assert (r.status, r.body) == (200, b"Success: LoRA adapter 'A' removed successfully.")
