@@ -271,7 +271,8 @@ class ServerApp:
 
     def _openapi(self) -> dict[str, Any]:
         if self._openapi_document is None:
-            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
+            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name,
+                                                              lora_routes=self.enable_runtime_lora_updating)
         return self._openapi_document
 
     async def _one_model_card(self, requested: str, send: Send) -> None:

@@ -100,6 +100,9 @@ async def test_route_errors_follow_vllm(engine, adapters, tmp_path):
     assert (await call(app, "GET", load, headers=KEY)).status == 405
     closed = ServerApp(engine, manage_engine=False)  # without the flag the routes do not exist
     assert (await call(closed, "POST", load, {"lora_name": "B", "lora_path": adapters["B"]})).status == 404
+    assert load not in (await call(closed, "GET", "/openapi.json")).json()["paths"]
+    documented = (await call(app, "GET", "/openapi.json", headers=KEY)).json()["paths"]
+    assert documented[load]["post"]["operationId"] == "loadLoraAdapter" and unload in documented
     assert engine.list_loras() == {}
 
 
