@@ -49,7 +49,7 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, mlx_thread: MLXThread,
                  metrics: EngineMetrics, failpoints: Failpoints = NO_FAILPOINTS,
                  speculator: Speculator | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        """`clock` times each step's forward for the scheduler's step cost model (tests inject one)."""
+        """`clock` times each step (schedule, forward, outputs) for the scheduler's step cost model (tests inject one)."""
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = metrics
@@ -167,6 +167,7 @@ class EngineCore:
     async def step(self) -> None:
         if not self._schedule_failpoint():
             return
+        timed_from = self._clock()  # the whole step, host work included, teaches max_step_ms's cost model
         if self._speculator is not None:
             self.scheduler.update_draft_token_ids(
                 self._speculator.propose(self.scheduler.running, lambda request_id: self.states[request_id].params))
@@ -177,10 +178,7 @@ class EngineCore:
         self._stats.begin(output, self.states)
         self.step_started = time.monotonic()
         try:
-            forward_started = self._clock()
             rows = await self._executor.execute(self._step_input(output))
-            if not any(row.error is not None for row in rows.values()):  # a failed step's time says nothing
-                self.scheduler.observe_step(output, self._clock() - forward_started)
         finally:
             self._note_step_time(time.monotonic() - self.step_started)
             self.step_started = None
@@ -199,6 +197,8 @@ class EngineCore:
         self._postprocess(output, rows, sampled)
         self.num_steps += 1
         self._flush()
+        if not any(row.error is not None for row in rows.values()):  # a failed step's time says nothing
+            self.scheduler.observe_step(output, self._clock() - timed_from)
 
     def _flush(self) -> None:
         """Hand the outputs gathered so far to `on_outputs` (which may call `finish`, adding more)."""
