@@ -86,7 +86,8 @@ class LocalCore:
                           max_position_embeddings=loaded.config.max_position_embeddings,
                           dtype_name=self.runner.dtype_name, kv_blocks=self.runner.kv_cache.num_blocks,
                           kv_slots=self.runner.kv_cache.num_slots,
-                          has_grammar_compiler=self.runner.grammar_compiler is not None)
+                          has_grammar_compiler=self.runner.grammar_compiler is not None,
+                          hidden_size=loaded.config.hidden_size)
 
     def stats(self, check_integrity: bool = False) -> CoreStats:
         """The core's counters; with `check_integrity` (an idle core) the accounting audit's error, if any."""
@@ -117,9 +118,9 @@ class LocalCore:
         self.core.on_outputs = on_outputs
 
     def submit_group(self, request_ids, prompt_token_ids, params, *, eos_token_ids, max_tokens, priority,
-                     num_open: int) -> None:
+                     num_open: int, pooling=None) -> None:
         self.core.submit_group(request_ids, prompt_token_ids, params, eos_token_ids=eos_token_ids,
-                               max_tokens=max_tokens, priority=priority)
+                               max_tokens=max_tokens, priority=priority, pooling=pooling)
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)

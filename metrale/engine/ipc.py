@@ -19,6 +19,7 @@ import msgspec
 
 from metrale.engine.metrics import FinishedRequestStats, IterationStats
 from metrale.engine.step import EngineOutput, RowError
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Verification
 from metrale.structured_outputs import StructuredOutputs
@@ -50,6 +51,7 @@ class ModelFacts(msgspec.Struct, frozen=True):
     kv_blocks: int
     kv_slots: int
     has_grammar_compiler: bool
+    hidden_size: int = 0  # the width of an embedding before any Matryoshka truncation
 
 
 class CoreStats(msgspec.Struct, frozen=True, array_like=True):
@@ -92,6 +94,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     eos_token_ids: tuple[int, ...]
     max_tokens: int
     priority: int = 0
+    pooling: PoolingParams | None = None  # an embedding request (metrale.engine.pooling)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

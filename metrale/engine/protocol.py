@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from metrale.engine.stream import GroupStream, RequestStream
-from metrale.outputs import EngineInfo, EngineState, EngineStats
+from metrale.outputs import EmbeddingOutput, EngineInfo, EngineState, EngineStats
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 
 
@@ -65,6 +66,11 @@ class EngineClient(Protocol):
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream | GroupStream:
         """`generate` over the model's chat template rendered for `messages` (and `tools`)."""
+
+    async def embed(self, prompts: Sequence[str | Sequence[int]], params: PoolingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in order (pooled from the final hidden states, through the scheduler);
+        raises a typed rejection and queues nothing on bad input; cancelling aborts every prompt."""
 
     async def prepare(self, params: SamplingParams) -> None:
         """Compile what `params` needs (a structured-output grammar) off the event loop, before submitting;

@@ -9,6 +9,7 @@
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
+    POST /v1/embeddings          see embeddings.py (with `task="embed"`, which refuses the generation routes)
     POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
     POST /tokenize /detokenize   vLLM's token routes: see tokenize.py
     GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
@@ -33,7 +34,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, ollama, openapi, responses, tokenize, worker_api
+from metrale.server import anthropic, completions, embeddings, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 RESPONSES_PATH = "/v1/responses"
+TASKS = ("generate", "embed")  # what a server runs: its generation routes, or its embedding routes
 
 
 class ServerApp:
@@ -69,6 +71,8 @@ class ServerApp:
         routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
+    task: "generate" (completions, chat, responses, messages, Ollama chat/generate) or "embed" (/v1/embeddings,
+        Ollama's /api/embed and /api/embeddings); the other task's routes answer a 400 naming the task.
     """
 
     def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
@@ -77,7 +81,11 @@ class ServerApp:
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
-                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False) -> None:
+                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False,
+                 task: str = "generate") -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        self.task = task
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -190,9 +198,17 @@ class ServerApp:
             body = await self._json_body(scope, receive) if method == "POST" else b""
             return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
                                        request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
+                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser,
+                                       task=self.task)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
+        if path == embeddings.PATH or path in anthropic.PATHS or path in _POST_ROUTES or path == RESPONSES_PATH:
+            self._check_task(path)
+        if path == embeddings.PATH:
+            body = await self._json_body(scope, receive)
+            return await embeddings.handle(self.engine, self.model_name, body, send, receive,
+                                           request_id=client_request_id(scope), model_aliases=self.model_aliases,
+                                           unknown_fields=self.unknown_fields)
         if path in anthropic.PATHS:
             body = await self._json_body(scope, receive)
             return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
@@ -215,6 +231,14 @@ class ServerApp:
                 raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
             return await self._only(scope, send_json(send, 200, self._model_card()))
         raise APIError(404, f"no route for {path}", code="not_found")
+
+    def _check_task(self, path: str) -> None:
+        """A 400 for a route of the task this server does not run."""
+        embedding = path == embeddings.PATH
+        if embedding != (self.task == "embed"):
+            needed = "embed" if embedding else "generate"
+            raise APIError(400, f"this server runs task {self.task}; {path} needs a server started with "
+                                f"--task {needed}", code="wrong_task", reject_reason="invalid_request")
 
     @staticmethod
     async def _only(scope: Scope, response: Any) -> None:
