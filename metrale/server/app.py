@@ -202,8 +202,9 @@ class ServerApp:
                                        task=self.task)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
-        if path == embeddings.PATH or path in anthropic.PATHS or path in _POST_ROUTES or path == RESPONSES_PATH:
-            self._check_task(path)
+        if method == "POST" and (path == embeddings.PATH or path in anthropic.PATHS or path in _POST_ROUTES
+                                 or path == RESPONSES_PATH):
+            self._check_task(path)  # another method is a 405 (read below)
         if path == embeddings.PATH:
             body = await self._json_body(scope, receive)
             return await embeddings.handle(self.engine, self.model_name, body, send, receive,
