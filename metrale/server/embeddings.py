@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -33,11 +33,18 @@ PATH = "/v1/embeddings"
 OLLAMA_PATHS = ("/api/embed", "/api/embeddings")
 EMBEDDING_PATHS = (PATH, *OLLAMA_PATHS)
 _FIELDS = {"prompt": "input"}
-_encode = msgspec.json.Encoder().encode  # the engine's parameter names as this route calls them
+_encode = msgspec.json.Encoder().encode
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# what `embedding_inputs` accepts, as JSON Schema (msgspec cannot type a union of several list types)
+Inputs = Annotated[Any, msgspec.Meta(extra_json_schema={"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_EMBED_INPUTS},
+    _TOKEN_IDS,
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_EMBED_INPUTS}]})]  # the engine's parameter names as this route calls them
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: Any  # str | list[str] | list[int] | list[list[int]]: checked by `embedding_inputs`
+    input: Inputs  # str | list[str] | list[int] | list[list[int]]: checked by `embedding_inputs`
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: protocol.Int64 | None = None
