@@ -126,9 +126,12 @@ class Submission:
             params = PoolingParams()
         if not isinstance(params, PoolingParams):
             raise TypeError(f"params must be PoolingParams, got {type(params).__name__}")
-        if not 1 <= num_prompts <= MAX_EMBED_INPUTS:
-            raise InvalidParamsError(f"input must hold 1 to {MAX_EMBED_INPUTS} inputs, got {num_prompts}",
-                                     field="input")
+        limit = min(MAX_EMBED_INPUTS, self._client.config.max_waiting)  # each input waits as one request
+        if not 1 <= num_prompts <= limit:
+            raise InvalidParamsError(f"input must hold 1 to {limit} inputs (the most the waiting queue holds, "
+                                     f"max_waiting {self._client.config.max_waiting}), got {num_prompts}"
+                                     if limit < MAX_EMBED_INPUTS else
+                                     f"input must hold 1 to {limit} inputs, got {num_prompts}", field="input")
         if params.dimensions is not None:
             if not self._client.config.matryoshka:
                 raise InvalidParamsError(f"model {self._facts.model_name!r} does not support matryoshka "

@@ -13,7 +13,8 @@ from mlx.utils import tree_flatten
 
 from kernels.runtime import mx
 from metrale import AsyncEngine, EngineConfig, SamplingParams
-from metrale.errors import EmptyPromptError, InvalidParamsError, InvalidTokenIdError, PromptTooLongError
+from metrale.errors import (EmptyPromptError, InvalidParamsError, InvalidTokenIdError, PromptTooLongError,
+                            QueueFullError)
 from metrale.pooling_params import MAX_EMBED_INPUTS, PoolingParams
 from tests.metrale.arch_helpers import arch_folder, load_reference, random_prompts
 from tests.metrale.engine_helpers import assert_clean, wait_idle
@@ -167,3 +168,25 @@ async def test_the_engine_process_carries_the_vectors(qwen3, engine_process):
         assert_clean(engine)
     for prompt, result in zip(PROMPTS, results):
         np.testing.assert_allclose(result.embedding, expected(reference, prompt, "last"), atol=ATOL)
+
+
+async def test_an_embedding_request_never_holds_more_inputs_than_the_waiting_queue(qwen3):
+    path, _ = qwen3
+    async with AsyncEngine(config(path, max_waiting=4)) as engine:
+        with pytest.raises(InvalidParamsError, match="max_waiting 4"):
+            await engine.embed(PROMPTS[:5])
+        assert len(await engine.embed(PROMPTS[:4])) == 4
+        await wait_idle(engine)
+        assert_clean(engine)
+
+
+async def test_a_full_queue_while_queueing_aborts_the_inputs_already_queued(qwen3):
+    path, _ = qwen3
+    async with AsyncEngine(config(path, max_waiting=4)) as engine:
+        waiting = engine.generate(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))  # one seat taken
+        with pytest.raises(QueueFullError):
+            await engine.embed(PROMPTS[:4])  # the 4th finds the queue full: the 3 before it are aborted
+        assert await _drain(waiting) == 2
+        await wait_idle(engine)
+        assert_clean(engine)
+        assert _by_reason(engine) == {"abort": 3, "stop": 0, "length": 1, "error": 0}
