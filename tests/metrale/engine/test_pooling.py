@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from kernels.runtime import mx
-from metrale import AsyncEngine, EngineConfig, SamplingParams
+from metrale import LLM, AsyncEngine, EngineConfig, SamplingParams
 from metrale.errors import (EmptyPromptError, InvalidParamsError, InvalidTokenIdError, PromptTooLongError,
                             QueueFullError)
 from metrale.pooling_params import MAX_EMBED_INPUTS, PoolingParams
@@ -190,3 +190,12 @@ async def test_a_full_queue_while_queueing_aborts_the_inputs_already_queued(qwen
         await wait_idle(engine)
         assert_clean(engine)
         assert _by_reason(engine) == {"abort": 3, "stop": 0, "length": 1, "error": 0}
+
+
+def test_the_blocking_llm_embeds(qwen3):
+    path, reference = qwen3
+    with LLM(config(path)) as llm:
+        one, = llm.embed(PROMPTS[1])
+        many = llm.embed(PROMPTS[:3])
+    np.testing.assert_allclose(one.embedding, many[1].embedding, atol=ATOL)
+    np.testing.assert_allclose(many[2].embedding, expected(reference, PROMPTS[2], "last"), atol=ATOL)
