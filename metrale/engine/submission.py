@@ -107,9 +107,9 @@ class Submission:
         too_long = [(i, len(p)) for i, p in enumerate(ids) if len(p) > limit]
         if too_long:
             index, length = too_long[0]
-            raise PromptTooLongError(f"input {index} has {length} tokens; an embedding input may have at most "
-                                     f"{limit} (max_model_len {self._max_model_len} - 1); set truncate_prompt_tokens "
-                                     f"to keep its last tokens")
+            raise PromptTooLongError(f"input {index} is too large: {length} tokens; an embedding input may have at "
+                                     f"most {limit} (max_model_len {self._max_model_len} - 1); set "
+                                     f"truncate_prompt_tokens to keep its last tokens")
         base = request_id if request_id is not None else f"embd-{next(self._ids)}"
         streams: list[RequestStream] = []
         try:
