@@ -4,7 +4,7 @@
     GET  /metrics                Prometheus text from the engine's registry (+ vLLM-named gauge aliases)
     GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
                                  what routers read from a replica: see worker_api.py
-    GET  /v1/models[/{id}]       the one served model
+    GET  /v1/models[/{id}]       the models served (resolve.py: the one place a request's model is resolved)
     GET  /openapi.json           the routes and request bodies as OpenAPI 3.1 (see openapi.py)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
@@ -42,6 +42,7 @@ from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
 from metrale.server.unknown_fields import UnknownFields
 from metrale.server.hosts import HostPolicy
+from metrale.server.resolve import ModelListing, SingleModel
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -87,6 +88,7 @@ class ServerApp:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         self.task = task
         self.engine = engine
+        self.models = SingleModel(engine, served_model_name, tuple(model_aliases))
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.body_timeout_s = body_timeout_s
@@ -99,8 +101,6 @@ class ServerApp:
         self.on_fatal = on_fatal
         self.vllm_metric_aliases = vllm_metric_aliases
         self.startup_error: BaseException | None = None
-        self._served_model_name = served_model_name
-        self.model_aliases = tuple(model_aliases)
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
@@ -109,7 +109,7 @@ class ServerApp:
 
     @property
     def model_name(self) -> str:
-        return self._served_model_name or self.engine.model_name
+        return self.models.model_id
 
     @property
     def unknown_fields(self) -> UnknownFields:
@@ -169,7 +169,7 @@ class ServerApp:
             logger.debug("client disconnected before sending its body")
         except APIError as error:
             if error.reject_reason is not None:
-                self.engine.record_rejected(error.reject_reason)
+                self.models.record_rejected(error.reject_reason)
             if started:
                 raise
             await send_error(tracked_send, error)
@@ -192,14 +192,14 @@ class ServerApp:
             return await self._only(scope, send_json(send, 200, self._openapi()))
         if path in tokenize.PATHS:
             body = await self._json_body(scope, receive)
-            return await tokenize.handle(self.engine, self.model_name, path, body, send,
-                                         model_aliases=self.model_aliases)
+            async with self.models.request_scope() as models:
+                return await tokenize.handle(models, path, body, send)
         if ollama.serves(path):
             body = await self._json_body(scope, receive) if method == "POST" else b""
-            return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
-                                       request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser,
-                                       task=self.task)
+            async with self.models.request_scope() as models:
+                return await ollama.handle(models, method, path, body, send, receive,
+                                           request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                           reasoning_parser=self.reasoning_parser, task=self.task)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         if method == "POST" and (path == embeddings.PATH or path in anthropic.PATHS or path in _POST_ROUTES
@@ -207,30 +207,30 @@ class ServerApp:
             self._check_task(path)  # another method is a 405 (read below)
         if path == embeddings.PATH:
             body = await self._json_body(scope, receive)
-            return await embeddings.handle(self.engine, self.model_name, body, send, receive,
-                                           request_id=client_request_id(scope), model_aliases=self.model_aliases,
-                                           unknown_fields=self.unknown_fields)
+            async with self.models.request_scope() as models:
+                return await embeddings.handle(models, body, send, receive, request_id=client_request_id(scope),
+                                               unknown_fields=self.unknown_fields)
         if path in anthropic.PATHS:
             body = await self._json_body(scope, receive)
-            return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
-                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                          model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
+            async with self.models.request_scope() as models:
+                return await anthropic.handle(models, path, body, send, receive,
+                                              request_id=client_request_id(scope),
+                                              tool_call_format=self.tool_call_parser,
+                                              reasoning_parser=self.reasoning_parser)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             body = await self._json_body(scope, receive)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
-                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
+                       "tool_call_format": self.tool_call_parser,
                        "reasoning_parser": self.reasoning_parser, "unknown_fields": self.unknown_fields}
-            if path == RESPONSES_PATH:
-                return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
-            return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
-                                            send, receive, **options)
+            async with self.models.request_scope() as models:
+                if path == RESPONSES_PATH:
+                    return await responses.handle(models, body, send, receive, **options)
+                return await completions.handle(models, body, _POST_ROUTES[path], send, receive, **options)
         if path == "/v1/models":
-            return await self._only(scope, send_json(send, 200, {"object": "list", "data": [self._model_card()]}))
+            cards = [self._model_card(model) for model in self.models.listing()]
+            return await self._only(scope, send_json(send, 200, {"object": "list", "data": cards}))
         if path.startswith("/v1/models/"):
-            model = path.removeprefix("/v1/models/")
-            if model != self.model_name and model not in self.model_aliases:
-                raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-            return await self._only(scope, send_json(send, 200, self._model_card()))
+            return await self._only(scope, self._one_model_card(path.removeprefix("/v1/models/"), send))
         raise APIError(404, f"no route for {path}", code="not_found")
 
     def _check_task(self, path: str) -> None:
@@ -288,11 +288,19 @@ class ServerApp:
             self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
         return self._openapi_document
 
-    def _model_card(self) -> dict[str, Any]:
-        """vLLM's model card, with the other ids requests may use for the model (answered as it)."""
-        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",
-                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len,
-                "aliases": list(self.model_aliases)}
+    async def _one_model_card(self, requested: str, send: Send) -> None:
+        for model in self.models.listing():
+            if requested == model.model_id or requested in model.aliases:
+                return await send_json(send, 200, self._model_card(model))
+        raise APIError(404, f"model {requested!r} does not exist", param="model", code="model_not_found")
+
+    def _model_card(self, model: ModelListing) -> dict[str, Any]:
+        """vLLM's model card, with the other ids requests may use for the model (answered as it), and whether it is
+        resident ("status": loaded | loading | unloaded | failed; its size on disk in bytes)."""
+        return {"id": model.model_id, "object": "model", "created": self._created, "owned_by": "metrale",
+                "root": model.model_id, "parent": None,
+                "max_model_len": model.engine.max_model_len if model.engine is not None else None,
+                "aliases": list(model.aliases), "status": model.status, "size": model.size_bytes}
 
     # ---- lifespan ----
 

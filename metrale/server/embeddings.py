@@ -27,6 +27,7 @@ from metrale.pooling_params import MAX_EMBED_INPUTS, PoolingParams
 from metrale.server import completions, protocol
 from metrale.server.asgi import Receive, Send, run_until_disconnect, send_bytes
 from metrale.server.errors import APIError, bad_request
+from metrale.server.resolve import ModelResolver
 from metrale.server.unknown_fields import UnknownFields
 
 PATH = "/v1/embeddings"
@@ -95,13 +96,13 @@ async def run_embeddings(engine: EngineClient, inputs: Sequence[str | list[int]]
     return None if disconnected else results
 
 
-async def handle(engine: EngineClient, served_model: str, body: bytes, send: Send, receive: Receive, *,
-                 request_id: str | None = None, model_aliases: tuple[str, ...] = (),
+async def handle(models: ModelResolver, body: bytes, send: Send, receive: Receive, *, request_id: str | None = None,
                  unknown_fields: UnknownFields | None = None) -> None:
     request = protocol.decode(body, EmbeddingRequest)
     if unknown_fields is not None:
         unknown_fields.check(body, EmbeddingRequest, PATH)
-    model = protocol.model_or_404(request.model, served_model, model_aliases)
+    target = await models.resolve(request.model)
+    engine, model = target.engine, target.model_id
     inputs = embedding_inputs(request.input)
     try:
         params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions,
