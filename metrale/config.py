@@ -58,8 +58,10 @@ class EngineConfig:
         token's: decoder embedding models such as Qwen3-Embedding), "mean" or "cls" (the first token's).
     matryoshka: the model was trained for Matryoshka truncation, so a request may ask for fewer
         `dimensions` (refused otherwise, as vLLM refuses it).
+    max_lora_rank: the largest LoRA adapter rank the engine loads (1..512); how many adapters run at once is
+        the scheduler's max_loras.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
-        max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
+        max_waiting, policy, block_size, enable_prefix_caching, max_loras); max_model_len None takes the
         model's context length, capped at 8192, when the engine starts.
     """
 
@@ -76,6 +78,7 @@ class EngineConfig:
     generation_config: str = "auto"
     pooling: str = "last"
     matryoshka: bool = False
+    max_lora_rank: int = 64
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -126,5 +129,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if not isinstance(self.matryoshka, bool):
             raise ValueError(f"EngineConfig.matryoshka must be a bool, got {self.matryoshka!r}")
+        rank = self.max_lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 512:
+            raise ValueError(f"EngineConfig.max_lora_rank must be an int in 1..512, got {rank!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

@@ -39,7 +39,7 @@ from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
 from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Speculator
-from scheduler import FinishReason, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import FinishReason, LoraRef, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 FATAL_FAILED_STEPS = 3  # steps in a row in which requests failed and none succeeded
@@ -88,21 +88,22 @@ class EngineCore:
 
     def submit_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams],
                      *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0,
-                     pooling: PoolingParams | None = None) -> None:
+                     lora: LoraRef | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue one sequence per id over the same prompt, each with its params: with several, a request
         group (parallel sampling) whose first sequence computes the prompt and the others fork from it
         (scheduler/forks.py). The group lives and dies together: aborting its first id aborts every
-        sequence, and one sequence's error fails the others. Raises the scheduler's typed rejections
-        and changes nothing then. `pooling`: an embedding request (one id): its prompt is computed like any
-        other (reading no prefix cache: every position's hidden state is pooled), then it ends with its
-        vector (EngineOutput.embedding) and its blocks are freed; nothing is sampled."""
+        sequence, and one sequence's error fails the others. `lora`: the adapter every sequence runs with.
+        Raises the scheduler's typed rejections and changes nothing then. `pooling`: an embedding request
+        (one id): its prompt is computed like any other (reading no prefix cache: every position's hidden
+        state is pooled), then it ends with its vector (EngineOutput.embedding) and its blocks are freed;
+        nothing is sampled."""
         if pooling is not None and len(request_ids) != 1:
             raise ValueError(f"an embedding request is one sequence, got {len(request_ids)} ids")
         requests = [Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             eos_token_ids=eos_token_ids, stop_token_ids=tuple(p.stop_token_ids or ()),
             ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, priority=priority,
-            skip_reading_prefix_cache=p.prompt_logprobs is not None or pooling is not None)
+            skip_reading_prefix_cache=p.prompt_logprobs is not None or pooling is not None, lora=lora)
             for request_id, p in zip(request_ids, params)]
         self.scheduler.add(requests[0], forks=requests[1:])
         for request_id, p in zip(request_ids, params):

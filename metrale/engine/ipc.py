@@ -23,7 +23,7 @@ from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Verification
 from metrale.structured_outputs import StructuredOutputs
-from scheduler import FinishReason
+from scheduler import FinishReason, LoraRef
 
 HEADER = struct.Struct("<I")  # body length
 MAX_FRAME_BYTES = 1 << 30
@@ -51,6 +51,8 @@ class ModelFacts(msgspec.Struct, frozen=True):
     kv_blocks: int
     kv_slots: int
     has_grammar_compiler: bool
+    num_hidden_layers: int = 0
+    lora_targets: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)  # {}: no LoRA support
     hidden_size: int = 0  # the width of an embedding before any Matryoshka truncation
 
 
@@ -94,6 +96,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     eos_token_ids: tuple[int, ...]
     max_tokens: int
     priority: int = 0
+    lora: LoraRef | None = None
     pooling: PoolingParams | None = None  # an embedding request (metrale.engine.pooling)
 
 

@@ -75,6 +75,12 @@ def embedding_inputs(value: Any, field: str = "input") -> list[str | list[int]]:
     return inputs
 
 
+def refuse_adapter(adapter: str | None, field: str = "model") -> None:
+    """A 400 when the request's model names a LoRA adapter: embeddings run the base model only."""
+    if adapter is not None:
+        raise bad_request(f"{adapter!r} is a LoRA adapter; embeddings run the base model only", field)
+
+
 def _is_token_id(value: Any) -> bool:
     return type(value) is int
 
@@ -102,6 +108,7 @@ async def handle(models: ModelResolver, body: bytes, send: Send, receive: Receiv
     if unknown_fields is not None:
         unknown_fields.check(body, EmbeddingRequest, PATH)
     target = await models.resolve(request.model)
+    refuse_adapter(target.adapter)
     engine, model = target.engine, target.model_id
     inputs = embedding_inputs(request.input)
     try:

@@ -109,7 +109,9 @@ async def _embed(models: ModelResolver, path: str, body: bytes, send: Send, rece
     started = time.monotonic_ns()
     legacy = path == "/api/embeddings"
     request = protocol.decode(body, op.EmbeddingsRequest if legacy else op.EmbedRequest)
-    engine = (await models.resolve(op.model_name(request.model))).engine
+    target = await models.resolve(op.model_name(request.model))
+    embeddings.refuse_adapter(target.adapter)
+    engine = target.engine
     texts = [request.prompt] if legacy else [request.input] if isinstance(request.input, str) else request.input
     texts = [text for text in texts if text]  # Ollama answers an empty input with no embeddings
     if texts:
