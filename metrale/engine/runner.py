@@ -5,6 +5,7 @@ plain Python goes out (one token id per sampling request):
 
     SchedulerOutput --AttentionMetadata.build--> token_ids (T,) positions (T,) slot_mapping (T,) ...
         model(token_ids, positions, kv_cache, metadata) -> hidden (T, D)
+        pooler.plan(hidden, ...)         embedding requests' rows pooled (metrale.engine.pooling), never sampled
         logits = model.compute_logits(hidden[sample_index])                     (S', V)
         mx.async_eval(logits, pools)     the forward and this step's K/V writes start together
         constraints.prepare(rows)        meanwhile on the host: grammar / allowed-token bitmask
