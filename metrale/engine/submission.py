@@ -100,11 +100,12 @@ class Submission:
         checked first (count, dimensions, tokens, lengths) so that a bad input queues nothing; a refusal while
         queueing (the waiting queue is full) aborts the ones queued before any step computed them."""
         params = self._pooling_params(params, len(prompts))
-        ids = []
-        for prompt in prompts:
-            ids.append(_truncated(await self.prompt_token_ids(prompt), params.truncate_prompt_tokens,
-                                  self._max_model_len - 1))
         limit = self._max_model_len - 1  # the scheduler holds room for one token after the prompt
+        if sum(len(p) for p in prompts if isinstance(p, str)) > OFF_LOOP_PROMPT_CHARS:  # many or long texts
+            encoded = await self._off_loop(lambda: [self.inputs.prompt_ids(p) for p in prompts])
+        else:
+            encoded = [self.inputs.prompt_ids(p) for p in prompts]
+        ids = [_truncated(prompt_ids, params.truncate_prompt_tokens, limit) for prompt_ids in encoded]
         too_long = [(i, len(p)) for i, p in enumerate(ids) if len(p) > limit]
         if too_long:
             index, length = too_long[0]

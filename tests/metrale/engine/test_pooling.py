@@ -199,3 +199,14 @@ def test_the_blocking_llm_embeds(qwen3):
         many = llm.embed(PROMPTS[:3])
     np.testing.assert_allclose(one.embedding, many[1].embedding, atol=ATOL)
     np.testing.assert_allclose(many[2].embedding, expected(reference, PROMPTS[2], "last"), atol=ATOL)
+
+
+async def test_many_texts_are_tokenized_off_the_event_loop_to_the_same_vectors(qwen3):
+    path, _ = qwen3
+    text = "ab" * 30  # 300 of them: 18,000 characters, more than Submission tokenizes on the event loop
+    async with AsyncEngine(config(path, max_model_len=128)) as engine:
+        (alone,) = await engine.embed([text])
+        many = await engine.embed([text] * 300)
+        assert engine._submission._tokenize_thread is not None  # the worker thread did it
+    for result in many:
+        np.testing.assert_allclose(result.embedding, alone.embedding, atol=ATOL)
