@@ -6,7 +6,7 @@
     POST /api/chat          chat (tools, format, options, think), NDJSON-streamed unless "stream": false
     POST /api/generate      a prompt through the chat template, or "raw": true as it is
     POST /api/embed /api/embeddings /api/pull /api/push /api/create /api/copy /api/delete
-                            refused with Ollama's error body: this server serves the one model it loaded
+                            refused with Ollama's error body: the models served are the ones the server was started with
 
 Requests are translated (ollama_protocol.py) into the OpenAI routes' requests and go through the same
 validation, template, tool plan and engine stream (completions.open_stream). A streamed answer is one JSON object
@@ -29,7 +29,8 @@ from metrale.server import chat_output, completions, protocol
 from metrale.server import ollama_protocol as op
 from metrale.server.asgi import Receive, Send, run_until_disconnect, send_bytes, send_json
 from metrale.server.access import MethodNotAllowed
-from metrale.server.errors import APIError
+from metrale.manager.keep_alive import parse_keep_alive
+from metrale.server.errors import APIError, bad_request
 from metrale.server.resolve import ModelListing, ModelResolver, Target
 
 # The Ollama API version this surface follows; clients compare it to decide which fields to send.
@@ -70,7 +71,7 @@ async def handle(models: ModelResolver, method: str, path: str, body: bytes, sen
         chat = path == "/api/chat"
         ollama_request = protocol.decode(body, op.ChatRequest if chat else op.GenerateRequest)
         request = op.chat_request(ollama_request) if chat else op.generate_request(ollama_request)
-        target = await models.resolve(request.model)
+        target = await models.resolve(request.model, keep_alive=keep_alive(ollama_request.keep_alive))
         call, stream = await completions.open_stream(target, request, default_max_tokens=None,
                                                      request_id=request_id, tool_call_format=tool_call_format,
                                                      reasoning_parser=reasoning_parser or "auto")
@@ -86,11 +87,21 @@ async def handle(models: ModelResolver, method: str, path: str, body: bytes, sen
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
 
 
+def keep_alive(value: float | str | None) -> float | None:
+    """A request's keep_alive in seconds (math.inf: forever; None: the server's default); 400 when malformed."""
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(value)
+    except ValueError as error:
+        raise bad_request(str(error), "keep_alive") from None
+
+
 def _refusal(path: str) -> str:
     if path in ("/api/embed", "/api/embeddings"):
         return "this model does not support embeddings"
     if path in _REFUSED:
-        return f"{path} is not supported: this server serves the model it was started with"
+        return f"{path} is not supported: this server serves the models it was started with"
     return f"no route for {path}"
 
 

@@ -51,6 +51,29 @@ class ModelListing:
     expires_at: float | None = None
 
 
+class ModelSet(Protocol):
+    """All the models a ServerApp serves, with their lifecycle: SingleModel, or managed.ManagedModels."""
+
+    engine: EngineClient | None  # the one engine of a one-model server; None when models load on demand
+
+    @property
+    def model_id(self) -> str:
+        """The model a request that names none gets."""
+
+    def request_scope(self) -> contextlib.AbstractAsyncContextManager[ModelResolver]:
+        """One HTTP request's resolver; what it resolved is held until the scope ends."""
+
+    def listing(self) -> list[ModelListing]: ...
+    def record_rejected(self, reason: str) -> None: ...
+    def health(self) -> str: ...
+    async def start(self) -> None: ...
+    async def drain(self, timeout_s: float) -> None: ...
+    async def shutdown(self) -> None: ...
+    def force_stop(self) -> None: ...
+    async def wait_until_dead(self) -> BaseException | None: ...
+    def metrics_exposition(self) -> bytes: ...
+
+
 class ModelResolver(Protocol):
     """Resolves the `model` of one HTTP request (see the module docstring)."""
 
@@ -109,3 +132,27 @@ class SingleModel:
 
     def ready(self) -> bool:
         return self.engine.max_model_len > 0
+
+    # ---- lifecycle (ServerApp's) ----
+
+    def health(self) -> str:
+        return self.engine.health()
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def drain(self, timeout_s: float) -> None:
+        await self.engine.drain(timeout_s)
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    def force_stop(self) -> None:
+        if self.engine.health() in ("serving", "draining", "unhealthy"):
+            self.engine.abort_all()
+
+    async def wait_until_dead(self) -> BaseException | None:
+        return await self.engine.wait_until_dead()
+
+    def metrics_exposition(self) -> bytes:
+        return self.engine.metrics_exposition()
