@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import signal
 import socket
@@ -23,16 +22,14 @@ import uvicorn
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 
 from metrale.config import GENERATION_CONFIGS, EngineConfig
-from metrale.manager.budget import default_max_resident_bytes, parse_bytes
-from metrale.manager.catalog import ModelEntry, catalog
-from metrale.manager.manager import ManagerConfig, ModelManager
-from metrale.manager.metrics import ManagerMetrics
+from metrale.manager.catalog import ModelEntry
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
 from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
 from metrale.server.hosts import HostPolicy, parse_allowed_hosts
 from metrale.server.managed import ManagedModels
+from metrale.server.model_flags import ModelSpecs, add_many_models_arguments, models_from_flags, serves_many
 from metrale.settings import RuntimeSettings
 from metrale.text.output_parsing import CHOOSABLE
 
@@ -65,7 +62,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve flags: engine configuration, then HTTP and lifecycle."""
     defaults = EngineConfig()
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", action=_ModelSpecs, default=None, metavar="PATH | NAME=PATH",
+    engine.add_argument("--model", action=ModelSpecs, default=None, metavar="PATH | NAME=PATH",
                         help="GGUF file or model folder (default: SmolLM2-135M-Instruct); NAME=PATH (repeatable) "
                              "serves several models, each loaded on its first request")
     engine.add_argument("--dtype", default=defaults.dtype, choices=("auto", "float32", "float16", "bfloat16"))
@@ -98,17 +95,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-engine-process runs them in the server process")
     engine.add_argument("--max-engine-restarts", type=int, default=defaults.max_engine_restarts, metavar="N",
                         help="engine process deaths survived within 10 minutes; one more makes the server exit 1")
-    many = parser.add_argument_group("many models (--models DIR or --model NAME=PATH ...)")
-    many.add_argument("--models", default=None, metavar="DIR",
-                      help="serve every .gguf file and model folder in DIR and one level below, by file stem / "
-                           "folder name; each is loaded on its first request and unloaded when idle")
-    many.add_argument("--max-resident-bytes", default=None, metavar="BYTES",
-                      help="memory budget of the loaded models (weights as on disk + each KV pool), e.g. 8G; "
-                           "loading past it unloads the least recently used idle model first "
-                           "(default: 75%% of MemTotal minus 1 GiB)")
-    many.add_argument("--idle-unload-after", type=float, default=300.0, metavar="SECONDS",
-                      help="unload a model idle for this long, unless its last request set keep_alive "
-                           "(default: 300, Ollama's 5 minutes; negative: never)")
+    add_many_models_arguments(parser)
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", action=_JoinHosts,
                       help="address to listen on; repeat it or give a comma list to listen on several at once "
@@ -153,20 +140,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                            "from its chat template; \"none\" leaves it in content)")
 
 
-class _ModelSpecs(argparse.Action):
-    """--model may repeat (NAME=PATH each): `model` keeps the last value, as a plain option would, and
-    `model_specs` every value in order."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        setattr(namespace, "model_specs", [*model_specs(namespace), values])
-
-
-def model_specs(args: argparse.Namespace) -> list[str]:
-    """Every --model value, in order."""
-    return list(getattr(args, "model_specs", None) or [])
-
-
 class _JoinHosts(argparse.Action):
     """--host may repeat: its values join into one comma list (replacing the default, not extending it)."""
 
@@ -201,17 +174,11 @@ def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
     return sockets
 
 
-def serves_many(args: argparse.Namespace) -> bool:
-    """--models DIR, or --model given as NAME=PATH or more than once: models are loaded on demand."""
-    specs = model_specs(args)
-    return args.models is not None or len(specs) > 1 or any("=" in spec for spec in specs)
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the serve flags describe (raises ValueError on bad values); with many models, the
     config each model's engine starts from (its `model` is the entry's path)."""
-    return EngineConfig(model=None if serves_many(args) else args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+    return EngineConfig(model=None if serves_many(args) else args.model, dtype=args.dtype,
+                        kv_cache_bytes=args.kv_cache_mib << 20, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,
@@ -331,25 +298,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def managed_models(args: argparse.Namespace, engine_cfg: EngineConfig, settings: RuntimeSettings,
                    registry: CollectorRegistry) -> ManagedModels:
-    """The models of --models / --model NAME=PATH behind a ModelManager; ValueError for bad flags."""
+    """The models of --models / --model NAME=PATH, each served by an AsyncEngine when asked for."""
     from metrale.engine.async_engine import AsyncEngine
-
-    if args.served_model_name is not None or args.model_alias:
-        raise ValueError("--served-model-name and --model-alias name the one model of --model PATH; with several "
-                         "models name each with --model NAME=PATH")
-    entries = catalog(args.models, model_specs(args))
-    budget = parse_bytes(args.max_resident_bytes) if args.max_resident_bytes else default_max_resident_bytes()
-    idle_s = math.inf if args.idle_unload_after < 0 else args.idle_unload_after
-    config = ManagerConfig(max_resident_bytes=budget, kv_cache_bytes=engine_cfg.kv_cache_bytes,
-                           idle_unload_after_s=idle_s, max_waiting_per_model=engine_cfg.max_waiting)
 
     def make_engine(entry: ModelEntry) -> AsyncEngine:
         return AsyncEngine(dataclasses.replace(engine_cfg, model=entry.path), settings=settings)
 
-    logger.info("serving %d models under a budget of %.1f GiB: %s", len(entries), budget / (1 << 30),
-                ", ".join(entry.model_id for entry in entries))
-    manager = ModelManager(entries, make_engine, config, metrics=ManagerMetrics())
-    return ManagedModels(manager, lambda: generate_latest(registry))
+    return models_from_flags(args, engine_cfg, make_engine, lambda: generate_latest(registry))
 
 
 def serve_main(argv: list[str] | None = None) -> int:

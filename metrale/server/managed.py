@@ -48,6 +48,11 @@ class ManagedModels:
         scope = _RequestModels(self)
         try:
             yield scope
+        except APIError as error:
+            if error.reject_reason is not None:  # counted here, on the model the request resolved, and only here
+                scope.record_rejected(error.reject_reason)
+                error.reject_reason = None
+            raise
         finally:
             scope.release()
 
@@ -98,6 +103,8 @@ class ManagedModels:
 class _RequestModels:
     """One request's resolver: the leases it took, returned when the response has ended."""
 
+    loads_on_demand = True
+
     def __init__(self, models: ManagedModels) -> None:
         self._models = models
         self._leases: list[Lease] = []
@@ -136,3 +143,4 @@ class _RequestModels:
         for lease in self._leases:
             lease.release()
         self._leases.clear()
+

@@ -77,6 +77,8 @@ class ModelSet(Protocol):
 class ModelResolver(Protocol):
     """Resolves the `model` of one HTTP request (see the module docstring)."""
 
+    loads_on_demand: bool  # models are loaded and unloaded as requests ask (keep_alive applies)
+
     async def resolve(self, requested: str | None, *, keep_alive: float | None = None) -> Target:
         """The target for `requested` (None: the default model); raises APIError: 404 for a model not served,
         503 for one that cannot be loaded now. keep_alive (seconds; 0: unload after this request, negative: keep
@@ -103,6 +105,8 @@ def model_not_found(requested: str, served: list[str]) -> APIError:
 class SingleModel:
     """The one-engine server's models: `engine` under `served_model_name` (the engine's model name by default) and
     `aliases` (other ids answered as it, e.g. "unknown", which sglang-router sends for a chat request without one)."""
+
+    loads_on_demand = False  # the model stays resident for the server's life
 
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  aliases: tuple[str, ...] = ()) -> None:

@@ -102,7 +102,8 @@ async def test_ollama_tags_ps_and_keep_alive(served):
 async def test_every_surface_resolves_through_the_manager(served):
     app, _, factory = served
     for path, body in (("/tokenize", {"model": "c", "prompt": "x y"}),
-                       ("/v1/messages", {"model": "c", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/messages", {"model": "c", "max_tokens": 2,
+                                         "messages": [{"role": "user", "content": "x"}]}),
                        ("/v1/responses", {"model": "c", "input": "x", "max_output_tokens": 2}),
                        ("/api/chat", {"model": "c:latest", "messages": [{"role": "user", "content": "x"}],
                                       "stream": False, "options": {"num_predict": 2}})):
@@ -124,3 +125,27 @@ async def test_metrics_merge_every_engine_under_its_model_id(served):
     if shutil.which("promtool") is not None:
         result = subprocess.run(["promtool", "check", "metrics"], input=body.encode(), capture_output=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def test_ollama_empty_prompt_loads_and_with_keep_alive_zero_unloads(served):
+    app, manager, factory = served
+    r = await call(app, "POST", "/api/generate", {"model": "c", "stream": False})
+    assert r.status == 200 and (r.json()["done"], r.json()["done_reason"], r.json()["response"]) == (True, "load", "")
+    assert manager.slots["c"].status == "loaded" and factory.built[0].submitted == []
+    r = await call(app, "POST", "/api/generate", {"model": "c", "keep_alive": 0})
+    assert r.json()["done_reason"] == "unload"
+    await manager.slots["c"].unloading
+    assert manager.slots["c"].status == "unloaded"
+    r = await call(app, "POST", "/api/generate", {"model": "c", "keep_alive": 0})  # not resident: not loaded first
+    assert r.json()["done_reason"] == "unload" and len(factory.built) == 1
+    assert (await call(app, "POST", "/api/generate", {"model": "nope"})).status == 404
+
+
+async def test_a_rejection_after_resolution_is_counted_on_that_model(served):
+    app, _, _ = served
+    assert (await call(app, "POST", "/v1/completions", {"model": "a", "prompt": "x", "n": 0})).status == 400
+    r = await call(app, "POST", "/v1/completions", {"model": "a", "prompt": ["x", "y"], "echo": True})
+    assert r.status == 400 and "echo" in r.json()["error"]["message"]  # refused once "a" was resolved
+    body = (await call(app, "GET", "/metrics")).body.decode()
+    assert 'metrale_requests_rejected_total{model_name="a",reason="invalid_request"} 1.0' in body
+    assert 'metrale_requests_rejected_total{model_name="",reason="invalid_request"} 1.0' in body  # the bad body

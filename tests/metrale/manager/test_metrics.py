@@ -28,7 +28,8 @@ def test_two_engines_with_one_file_stem_merge_under_their_ids():
     text = body.decode()
     assert text.count("# HELP metrale_requests_running ") == 1 and text.count("# TYPE metrale_requests_running ") == 1
     rejected = {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
-                for s in f.samples if s.name == "metrale_requests_rejected_total" and s.labels["reason"] == "queue_full"}
+                for s in f.samples
+                if s.name == "metrale_requests_rejected_total" and s.labels["reason"] == "queue_full"}
     assert rejected == {(("model_name", "a"), ("reason", "queue_full")): 1.0,
                         (("model_name", 'b"quoted'), ("reason", "queue_full")): 1.0}
     assert 'metrale_model_resident_bytes{model_name="a"} 123.0' in text
