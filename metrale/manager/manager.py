@@ -124,9 +124,14 @@ class ModelManager:
         while slot.engine is None:  # a loop: the engine may die between its load and this waiter's turn
             if slot.loading is None:
                 slot.loading = self._spawn(self._load(slot), f"metrale-load-{slot.model_id}")
+            loading = slot.loading
             slot.waiting += 1
             try:
-                await asyncio.shield(slot.loading)
+                await asyncio.shield(loading)
+            except asyncio.CancelledError:
+                if loading.cancelled() and not asyncio.current_task().cancelling():
+                    raise ManagerClosedError(f"the server stopped while model {slot.model_id!r} loaded") from None
+                raise  # this waiter was cancelled (its client left): the load goes on for the others
             finally:
                 slot.waiting -= 1
         return slot.engine

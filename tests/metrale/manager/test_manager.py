@@ -226,5 +226,5 @@ async def test_drain_refuses_new_requests_and_shutdown_stops_every_engine(three)
     with pytest.raises(ManagerClosedError):
         await manager.acquire("a")
     await manager.shutdown()
-    assert isinstance((await asyncio.gather(loading, return_exceptions=True))[0], asyncio.CancelledError)
+    assert isinstance((await asyncio.gather(loading, return_exceptions=True))[0], ManagerClosedError)
     assert [engine.state for engine in factory.built] == ["stopped", "stopped"]
