@@ -4,6 +4,7 @@ a full budget are clear errors; /metrics merges the engines' series; /health bef
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 
@@ -149,3 +150,17 @@ async def test_a_rejection_after_resolution_is_counted_on_that_model(served):
     body = (await call(app, "GET", "/metrics")).body.decode()
     assert 'metrale_requests_rejected_total{model_name="a",reason="invalid_request"} 1.0' in body
     assert 'metrale_requests_rejected_total{model_name="",reason="invalid_request"} 1.0' in body  # the bad body
+
+
+async def test_concurrent_first_requests_share_one_load_and_a_client_that_leaves_returns_its_lease(served):
+    app, manager, factory = served
+    factory.gates["b"] = gate = asyncio.Event()
+    pending = [asyncio.create_task(_complete(app, "b")) for _ in range(3)]
+    while manager.slots["b"].waiting < 3:
+        await asyncio.sleep(0.01)
+    gate.set()
+    assert [r.status for r in await asyncio.gather(*pending)] == [200, 200, 200] and len(factory.built) == 1
+    factory.built[0].step_s = 0.05
+    left = await call(app, "POST", "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 20, "stream": True},
+                      disconnect_after_chunks=1)
+    assert left.status == 200 and manager.slots["b"].leases == 0
