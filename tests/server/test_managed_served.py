@@ -75,6 +75,7 @@ def test_models_load_on_demand_unload_and_fail_alone(models):
         status, body = complete(server, "broken")
         assert status == 503 and body["error"]["code"] == "model_load_failed"
         assert "broken" in body["error"]["message"] and len(body["error"]["message"]) > 40
+        wait_until(lambda: len(engine_pids(server)) == 2, 60, "the failed load's engine process exit")
         assert complete(server, "smol")[0] == 200 and complete(server, "tiny")[0] == 200
         assert _json(server.get("/v1/models/broken"))["status"] == "failed"
 
