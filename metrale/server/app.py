@@ -4,7 +4,9 @@
     GET  /metrics                Prometheus text from the engine's registry (+ vLLM-named gauge aliases)
     GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
                                  what routers read from a replica: see worker_api.py
-    GET  /v1/models[/{id}]       the models served (resolve.py: the one place a request's model is resolved)
+    GET  /v1/models[/{id}]       the models served (resolve.py: the one place a request's model is resolved), LoRA
+                                 adapters included (parent: the base model, root: the adapter's folder)
+    POST /v1/load_lora_adapter /v1/unload_lora_adapter   with --enable-runtime-lora-updating (lora.py)
     GET  /openapi.json           the routes and request bodies as OpenAPI 3.1 (see openapi.py)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
@@ -33,7 +35,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, ollama, openapi, responses, tokenize, worker_api
+from metrale.server import anthropic, completions, lora, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -70,6 +72,9 @@ class ServerApp:
         routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
+    lora_modules: LoRA adapters registered once the engine has started (a bad one is a startup failure).
+    enable_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.py says why
+        they are off by default).
     """
 
     def __init__(self, engine: EngineClient | None = None, *, models: ModelSet | None = None,
@@ -79,9 +84,13 @@ class ServerApp:
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
-                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False) -> None:
+                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False,
+                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False) -> None:
         if (engine is None) == (models is None):
             raise ValueError("ServerApp serves one engine or a set of models: give engine or models")
+        if models is not None and (lora_modules or enable_runtime_lora_updating):
+            raise ValueError("LoRA adapters run on the one engine of a one-model server, not on models loaded on "
+                             "demand")
         self.models: ModelSet = models if models is not None else SingleModel(engine, served_model_name,
                                                                                 tuple(model_aliases))
         self.engine = self.models.engine  # None when models load on demand
@@ -96,6 +105,8 @@ class ServerApp:
         self.access = AccessControl(api_key, self.cors, allowed_hosts if allowed_hosts is not None else HostPolicy())
         self.on_fatal = on_fatal
         self.vllm_metric_aliases = vllm_metric_aliases
+        self.lora_modules = tuple(lora_modules)
+        self.enable_runtime_lora_updating = enable_runtime_lora_updating
         self.startup_error: BaseException | None = None
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
@@ -213,6 +224,8 @@ class ServerApp:
                 if path == RESPONSES_PATH:
                     return await responses.handle(models, body, send, receive, **options)
                 return await completions.handle(models, body, _POST_ROUTES[path], send, receive, **options)
+        if path in lora.PATHS and self.enable_runtime_lora_updating:
+            return await lora.handle(self.engine, path, await self._json_body(scope, receive), send)
         if path == "/v1/models":
             cards = [self._model_card(model) for model in self.models.listing()]
             return await self._only(scope, send_json(send, 200, {"object": "list", "data": cards}))
@@ -267,7 +280,8 @@ class ServerApp:
 
     def _openapi(self) -> dict[str, Any]:
         if self._openapi_document is None:
-            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
+            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name,
+                                                              lora_routes=self.enable_runtime_lora_updating)
         return self._openapi_document
 
     async def _one_model_card(self, requested: str, send: Send) -> None:
@@ -280,7 +294,7 @@ class ServerApp:
         """vLLM's model card, with the other ids requests may use for the model (answered as it), and whether it is
         resident ("status": loaded | loading | unloaded | failed; its size on disk in bytes)."""
         return {"id": model.model_id, "object": "model", "created": self._created, "owned_by": "metrale",
-                "root": model.model_id, "parent": None,
+                "root": model.path if model.parent is not None else model.model_id, "parent": model.parent,
                 "max_model_len": model.engine.max_model_len if model.engine is not None else None,
                 "aliases": list(model.aliases), "status": model.status, "size": model.size_bytes}
 
@@ -302,6 +316,8 @@ class ServerApp:
     async def _start_engine(self) -> None:
         try:
             await self.models.start()
+            if self.engine is not None:
+                await lora.register(self.engine, self.lora_modules, self.model_name)
         except asyncio.CancelledError:
             raise
         except Exception as error:

@@ -159,7 +159,7 @@ async def open_stream(target: Target, request: protocol.CompletionRequest | prot
         else:
             prompts = protocol.completion_prompts(request)
             if len(prompts) > 1:
-                return await _open_batch(engine, model, request, params, prompts, request_id)
+                return await _open_batch(engine, model, request, params, prompts, request_id, target.adapter)
             prompt = prompts[0]
             prompt_ids = await engine.prompt_token_ids(prompt)
         echo = None
@@ -171,12 +171,14 @@ async def open_stream(target: Target, request: protocol.CompletionRequest | prot
                      output, params.n, echo, tuple(prompt_ids), request.prompt_logprobs,
                      continuous_usage=options is not None and options.continuous_usage_stats,
                      prompt_tail=chat_output.prompt_tail(engine, prompt_ids) if output is not None else "")
-        stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id,
+                                 lora=target.adapter)
     return call, stream
 
 
 async def _open_batch(engine: EngineClient, model: str, request: protocol.CompletionRequest, params: Any,
-                      prompts: list[str | list[int]], request_id: str | None) -> tuple[_Call, PromptBatchStream]:
+                      prompts: list[str | list[int]], request_id: str | None,
+                      lora: str | None = None) -> tuple[_Call, PromptBatchStream]:
     """A list of prompts: every prompt tokenized (off the event loop when long) before any is submitted, then
     one engine request per prompt, `{id}-{i}`; one submit refused closes those already queued."""
     for field in ("echo", "prompt_logprobs"):
@@ -193,7 +195,7 @@ async def _open_batch(engine: EngineClient, model: str, request: protocol.Comple
     streams: list[Any] = []
     try:
         for i, ids in enumerate(prompt_ids):
-            streams.append(engine.generate(ids, params, request_id=f"{base_id}-{i}"))
+            streams.append(engine.generate(ids, params, request_id=f"{base_id}-{i}", lora=lora))
     except BaseException:
         for stream in streams:
             await stream.aclose()

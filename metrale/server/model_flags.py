@@ -59,6 +59,9 @@ def models_from_flags(args: argparse.Namespace, engine_cfg: EngineConfig, make_e
     if args.served_model_name is not None or args.model_alias:
         raise ValueError("--served-model-name and --model-alias name the one model of --model PATH; with several "
                          "models name each with --model NAME=PATH")
+    if getattr(args, "lora_modules", None) or getattr(args, "enable_runtime_lora_updating", False):
+        raise ValueError("LoRA adapters (--lora-modules, --enable-runtime-lora-updating) run on the one model of "
+                         "--model PATH, not on models loaded on demand")
     entries = catalog(args.models, model_specs(args))
     budget = parse_bytes(args.max_resident_bytes) if args.max_resident_bytes else default_max_resident_bytes()
     idle_s = math.inf if args.idle_unload_after < 0 else args.idle_unload_after

@@ -39,7 +39,8 @@ class ModelListing:
 
     status: "loaded" | "loading" | "unloaded" | "failed"; engine: set while loaded; path: its file or folder ("" when
     unknown); size_bytes: on disk (0 when unknown); resident_bytes: weights + KV pool while loaded; expires_at: the
-    unix time the idle model unloads at (None: never)."""
+    unix time the idle model unloads at (None: never); parent: for a LoRA adapter, the model it runs on (its path is
+    the adapter's folder)."""
 
     model_id: str
     aliases: tuple[str, ...] = ()
@@ -49,6 +50,7 @@ class ModelListing:
     size_bytes: int = 0
     resident_bytes: int = 0
     expires_at: float | None = None
+    parent: str | None = None
 
 
 class ModelSet(Protocol):
@@ -104,7 +106,8 @@ def model_not_found(requested: str, served: list[str]) -> APIError:
 
 class SingleModel:
     """The one-engine server's models: `engine` under `served_model_name` (the engine's model name by default) and
-    `aliases` (other ids answered as it, e.g. "unknown", which sglang-router sends for a chat request without one)."""
+    `aliases` (other ids answered as it, e.g. "unknown", which sglang-router sends for a chat request without one),
+    and the engine's registered LoRA adapters, each a model id that runs `engine` with it."""
 
     loads_on_demand = False  # the model stays resident for the server's life
 
@@ -125,6 +128,8 @@ class SingleModel:
     async def resolve(self, requested: str | None, *, keep_alive: float | None = None) -> Target:
         if requested is None or requested == self.model_id or requested in self.aliases:
             return Target(self.engine, self.model_id)
+        if self.ready() and requested in self.engine.list_loras():
+            return Target(self.engine, requested, adapter=requested)
         raise model_not_found(requested, [self.model_id])
 
     def record_rejected(self, reason: str) -> None:
@@ -132,7 +137,9 @@ class SingleModel:
 
     def listing(self) -> list[ModelListing]:
         started = self.engine.max_model_len > 0
-        return [ModelListing(self.model_id, self.aliases, "loaded" if started else "loading", self.engine)]
+        base = ModelListing(self.model_id, self.aliases, "loaded" if started else "loading", self.engine)
+        adapters = self.engine.list_loras().items() if started else ()
+        return [base, *(ModelListing(name, engine=self.engine, path=path, parent=self.model_id) for name, path in adapters)]
 
     def ready(self) -> bool:
         return self.engine.max_model_len > 0

@@ -114,7 +114,7 @@ async def handle(models: ModelResolver, body: bytes, send: Send, receive: Receiv
         messages = tools.template_messages(rp.chat_messages(request), plan, tool_call_format or engine.tool_call_format)
         prompt_ids = await engine.chat_token_ids(messages, tools=plan.template_tools if plan is not None else None,
                                                  **rp.template_kwargs(request))
-        stream = engine.generate(prompt_ids, params, request_id=request_id or response.id)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or response.id, lora=target.adapter)
     except APIError:
         raise
     except Exception as error:

@@ -53,3 +53,9 @@ def test_bad_flags_are_refused(tmp_path, argv, message):
     argv = tuple(a.replace("x.gguf", str(tmp_path / "x.gguf")) for a in argv)
     with pytest.raises(ValueError, match=message):
         _build(*argv)
+
+
+def test_lora_adapters_are_refused_with_models_loaded_on_demand(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="LoRA adapters"):
+        _build("--model", f"a={tmp_path / 'x.gguf'}", "--enable-runtime-lora-updating")
