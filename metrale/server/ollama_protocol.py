@@ -9,7 +9,8 @@
                    sampling methods metrale does not have (mirostat, typical_p < 1, tfs_z) are refused
     format         "json" -> a JSON object; a JSON schema -> that schema (both grammar-enforced)
     think          true / false / "low" | "medium" | "high" -> chat_template_kwargs enable_thinking, reasoning_effort
-    keep_alive     accepted: the served model stays resident for the server's life
+    keep_alive     how long the model stays resident once idle ("5m", seconds, 0: unload now, negative: forever);
+                   with one model (--model PATH) it stays for the server's life
     /api/embed     input (a string or a list), truncate, dimensions -> metrale.server.embeddings' run
 """
 
