@@ -61,6 +61,15 @@ class StepStats:
             self._itls.append(now - times.last_token)
         times.last_token = now
 
+    def pooled(self, state: RequestState, now: float) -> None:
+        """An embedding request's prompt is computed: its whole prompt counted, as a first token's would be
+        (no time to first token: it has none)."""
+        times = state.times
+        if times.first_token is None:
+            times.first_token = times.last_token = now
+            self._num_prompt_tokens += state.num_prompt_tokens
+            self._num_cached_prompt_tokens += min(state.num_cached_tokens, state.num_prompt_tokens)
+
     def end(self, output: SchedulerOutput) -> None:
         kv = self._scheduler.kv_cache_manager
         self.peak_kv_usage = max(self.peak_kv_usage, kv.usage)

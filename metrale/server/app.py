@@ -11,6 +11,7 @@
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
+    POST /v1/embeddings          see embeddings.py (with `task="embed"`, which refuses the generation routes)
     POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
     POST /tokenize /detokenize   vLLM's token routes: see tokenize.py
     GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
@@ -35,7 +36,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, lora, ollama, openapi, responses, tokenize, worker_api
+from metrale.server import anthropic, completions, embeddings, lora, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 RESPONSES_PATH = "/v1/responses"
+TASKS = ("generate", "embed")  # what a server runs: its generation routes, or its embedding routes
 
 
 class ServerApp:
@@ -75,6 +77,8 @@ class ServerApp:
     lora_modules: LoRA adapters registered once the engine has started (a bad one is a startup failure).
     enable_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.py says why
         they are off by default).
+    task: "generate" (completions, chat, responses, messages, Ollama chat/generate) or "embed" (/v1/embeddings,
+        Ollama's /api/embed and /api/embeddings); the other task's routes answer a 400 naming the task.
     """
 
     def __init__(self, engine: EngineClient | None = None, *, models: ModelSet | None = None,
@@ -85,7 +89,11 @@ class ServerApp:
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
                  on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False,
-                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False) -> None:
+                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False,
+                 task: str = "generate") -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        self.task = task
         if (engine is None) == (models is None):
             raise ValueError("ServerApp serves one engine or a set of models: give engine or models")
         if models is not None and (lora_modules or enable_runtime_lora_updating):
@@ -205,9 +213,17 @@ class ServerApp:
             async with self.models.request_scope() as models:
                 return await ollama.handle(models, method, path, body, send, receive,
                                            request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                           reasoning_parser=self.reasoning_parser)
+                                           reasoning_parser=self.reasoning_parser, task=self.task)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
+        if method == "POST" and (path == embeddings.PATH or path in anthropic.PATHS or path in _POST_ROUTES
+                                 or path == RESPONSES_PATH):
+            self._check_task(path)  # another method is a 405 (read below)
+        if path == embeddings.PATH:
+            body = await self._json_body(scope, receive)
+            async with self.models.request_scope() as models:
+                return await embeddings.handle(models, body, send, receive, request_id=client_request_id(scope),
+                                               unknown_fields=self.unknown_fields)
         if path in anthropic.PATHS:
             body = await self._json_body(scope, receive)
             async with self.models.request_scope() as models:
@@ -232,6 +248,14 @@ class ServerApp:
         if path.startswith("/v1/models/"):
             return await self._only(scope, self._one_model_card(path.removeprefix("/v1/models/"), send))
         raise APIError(404, f"no route for {path}", code="not_found")
+
+    def _check_task(self, path: str) -> None:
+        """A 400 for a route of the task this server does not run."""
+        embedding = path == embeddings.PATH
+        if embedding != (self.task == "embed"):
+            needed = "embed" if embedding else "generate"
+            raise APIError(400, f"this server runs task {self.task}; {path} needs a server started with "
+                                f"--task {needed}", code="wrong_task", reject_reason="invalid_request")
 
     @staticmethod
     async def _only(scope: Scope, response: Any) -> None:

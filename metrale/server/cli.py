@@ -84,6 +84,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--generation-config", default=defaults.generation_config, choices=GENERATION_CONFIGS,
                         help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty take "
                              "the model's defaults (generation_config.json, GGUF general.sampling.*); vllm: ignore them")
+    engine.add_argument("--task", default="generate", choices=("generate", "embed"),
+                        help="generate: the completion, chat, responses, messages and Ollama chat/generate routes; "
+                             "embed: /v1/embeddings and Ollama's /api/embed, /api/embeddings (the others answer 400)")
+    engine.add_argument("--pooling", default=defaults.pooling, choices=("last", "mean", "cls"),
+                        help="how --task embed pools the final hidden states: the last token's (decoder embedding "
+                             "models such as Qwen3-Embedding), their mean, or the first token's")
+    engine.add_argument("--matryoshka", action="store_true",
+                        help="the model was trained for Matryoshka truncation: requests may ask for fewer dimensions")
     engine.add_argument("--tensor-parallel", type=int, default=defaults.tensor_parallel_size, metavar="N",
                         help="shard the model over N ranks on this machine (MLX ring backend on 127.0.0.1); "
                              "this process is rank 0 and starts the others")
@@ -194,7 +202,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         seed=args.seed, speculative_config=args.speculative_config,
                         tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config,
                         engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts,
-                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, pooling=args.pooling,
+                        matryoshka=args.matryoshka)
 
 
 class DrainingServer(uvicorn.Server):
@@ -290,7 +299,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     allowed_origins=origins, allowed_hosts=host_policy,
                     vllm_metric_aliases=args.vllm_metric_aliases, lora_modules=lora_modules,
-                    enable_runtime_lora_updating=args.enable_runtime_lora_updating)
+                    enable_runtime_lora_updating=args.enable_runtime_lora_updating, task=args.task)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto",
                             http=deadline_protocol(args.header_timeout),
                             lifespan="on",
