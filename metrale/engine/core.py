@@ -107,7 +107,7 @@ class EngineCore:
             for request_id, p in zip(request_ids, params)]
         self.scheduler.add(requests[0], forks=requests[1:])
         for request_id, p in zip(request_ids, params):
-            state = RequestState(request_id, p, len(prompt_token_ids), pooling)
+            state = RequestState(request_id, p, len(prompt_token_ids), pooling, max_tokens)
             if len(request_ids) > 1:
                 state.group = (request_ids[0], len(request_ids))
             self.states[request_id] = state

@@ -31,12 +31,13 @@ class RequestState:
     """One request's counts, timings and prompt logprobs, turned into EngineOutputs."""
 
     __slots__ = ("request_id", "params", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "times",
-                 "num_preemptions", "group", "pooling", "_prompt_logprobs")
+                 "num_preemptions", "group", "pooling", "max_tokens", "_prompt_logprobs")
 
     def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int,
-                 pooling: PoolingParams | None = None) -> None:
+                 pooling: PoolingParams | None = None, max_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.params = params
+        self.max_tokens = max_tokens  # the effective limit (params.max_tokens, or what the engine chose)
         self.pooling = pooling  # an embedding request: pooled after its prompt, never sampled
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0

@@ -106,7 +106,7 @@ class StepStats:
             num_generation_tokens=state.num_output_tokens,
             inference_time_s=(times.last_token - scheduled) if first is not None and scheduled is not None else 0.0,
             num_preemptions=state.num_preemptions,
-            max_tokens_param=state.params.max_tokens,
+            max_tokens_param=state.max_tokens if state.pooling is None else None,  # vLLM: sampling requests only
             params_n=params_n,
             max_num_generation_tokens=longest,
         ))
