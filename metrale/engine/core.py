@@ -50,7 +50,8 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, mlx_thread: MLXThread,
                  metrics: EngineMetrics, failpoints: Failpoints = NO_FAILPOINTS,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock` times each step (schedule, forward, outputs) for the scheduler's step cost model (tests inject one)."""
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = metrics
@@ -67,6 +68,7 @@ class EngineCore:
         self._wake = asyncio.Event()
         self._failed_steps_in_a_row = 0
         self._speculator = speculator
+        self._clock = clock
         self._finished_since_step: list[str] = []  # told to the runner with the next step
         self._groups = RequestGroups()  # parallel sampling's sequences
         self.on_outputs: Callable[[list[EngineOutput]], None] | None = None  # the front-end, set by the owner
@@ -172,6 +174,7 @@ class EngineCore:
     async def step(self) -> None:
         if not self._schedule_failpoint():
             return
+        timed_from = self._clock()  # the whole step, host work included, teaches max_step_ms's cost model
         if self._speculator is not None:
             decoding = [r for r in self.scheduler.running if self.states[r.request_id].pooling is None]
             self.scheduler.update_draft_token_ids(
@@ -204,6 +207,8 @@ class EngineCore:
         self._postprocess(output, rows, sampled)
         self.num_steps += 1
         self._flush()
+        if not any(row.error is not None for row in rows.values()):  # a failed step's time says nothing
+            self.scheduler.observe_step(output, self._clock() - timed_from)
 
     def _flush(self) -> None:
         """Hand the outputs gathered so far to `on_outputs` (which may call `finish`, adding more)."""
