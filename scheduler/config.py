@@ -29,6 +29,8 @@ class SchedulerConfig:
         policy: "fcfs" (arrival order) or "priority" (lower `priority` first, then arrival).
         block_size: tokens per KV block; must match the KVCacheManager's.
         enable_prefix_caching: must match the KVCacheManager's.
+        max_loras: most distinct LoRA adapters among the running requests (the runner's resident slots;
+            a request for one more waits until one of them has no running request).
     """
 
     max_num_seqs: int = 64
@@ -38,6 +40,7 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     block_size: int = 16
     enable_prefix_caching: bool = True
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -46,6 +49,7 @@ class SchedulerConfig:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("max_waiting", self.max_waiting, 1)
         _check_int("block_size", self.block_size, 1)
+        _check_int("max_loras", self.max_loras, 1)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running request must be able to decode one token in the same step.
             raise ValueError(

@@ -49,7 +49,8 @@ class Scheduler:
     cache usually gives its blocks back). That victim is the last of the running list, so it never
     already holds a slot in the step: no blocks are cached for tokens that will not be computed.
     No request is admitted in a step that preempted. A request group (parallel sampling) is admitted
-    when max_num_seqs has room for all of its sequences.
+    when max_num_seqs has room for all of its sequences. At most max_loras distinct LoRA adapters run at
+    once (the runner holds that many): a request for another one waits at the head of the queue.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -204,11 +205,14 @@ class Scheduler:
     def _schedule_waiting(self, num_new: dict[str, int], budget: int) -> None:
         kv = self.kv_cache_manager
         seats = len(self._running) + self._forks.num_seats(lambda rid: self._requests[rid].status is _RUNNING)
+        adapters = {r.lora for r in self._running if r.lora is not None}  # the runner's slots hold these
         while self._waiting and budget > 0:
             req = self._waiting.peek()
             group = 1 + self._forks.count(req.request_id)
             if seats + group > self.config.max_num_seqs:
                 break
+            if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras:
+                break  # max_loras adapters run already: the head waits for one of them to finish
             blocks, num_hit = ([], 0) if req.skip_reading_prefix_cache else kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)  # the lookup never covers the whole sequence
             got = kv.allocate_slots(req, n, computed_blocks=blocks, num_computed_tokens=num_hit)
@@ -223,6 +227,8 @@ class Scheduler:
             num_new[req.request_id] = n
             budget -= n
             seats += group
+            if req.lora is not None:
+                adapters.add(req.lora)
 
     def _fork_children(self, parent: Request) -> None:
         """Fork the children of `parent`, whose prompt the step being applied has computed."""
@@ -257,6 +263,7 @@ class Scheduler:
                     samples=end == req.num_tokens,
                     num_draft_tokens=k,
                     draft_token_ids=() if isinstance(draft, int) else draft,
+                    lora=req.lora,
                 )
             )
             req.num_computed_tokens = end + k  # drafts rolled back in update()

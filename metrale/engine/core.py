@@ -37,7 +37,7 @@ from metrale.errors import EngineDeadError
 from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Speculator
-from scheduler import FinishReason, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import FinishReason, LoraRef, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 FATAL_FAILED_STEPS = 3  # steps in a row in which requests failed and none succeeded
@@ -85,17 +85,19 @@ class EngineCore:
                           max_tokens=max_tokens, priority=priority)
 
     def submit_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams],
-                     *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0) -> None:
+                     *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0,
+                     lora: LoraRef | None = None) -> None:
         """Queue one sequence per id over the same prompt, each with its params: with several, a request
         group (parallel sampling) whose first sequence computes the prompt and the others fork from it
         (scheduler/forks.py). The group lives and dies together: aborting its first id aborts every
-        sequence, and one sequence's error fails the others. Raises the scheduler's typed rejections
-        and changes nothing then."""
+        sequence, and one sequence's error fails the others. `lora`: the adapter every sequence runs with.
+        Raises the scheduler's typed rejections and changes nothing then."""
         requests = [Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             eos_token_ids=eos_token_ids, stop_token_ids=tuple(p.stop_token_ids or ()),
             ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, priority=priority,
-            skip_reading_prefix_cache=p.prompt_logprobs is not None) for request_id, p in zip(request_ids, params)]
+            skip_reading_prefix_cache=p.prompt_logprobs is not None, lora=lora)
+            for request_id, p in zip(request_ids, params)]
         self.scheduler.add(requests[0], forks=requests[1:])
         for request_id, p in zip(request_ids, params):
             state = RequestState(request_id, p, len(prompt_token_ids))

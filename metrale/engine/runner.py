@@ -17,6 +17,7 @@ dropped when StepInput.finished_request_ids names their request), nothing of the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -26,9 +27,11 @@ from kernels.runtime import mx
 from kernels.settings import KernelSettings
 from kvcache.storage import PagedKVCache
 from metrale.config import EngineConfig
+from metrale.engine.lora_slots import LoraSlots
 from metrale.engine.step import ForwardInput, PromptLogprobs, RowError, RowResult
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.loading import LoadedModel, load_model
+from metrale.models.lora_spec import lora_targets
 from metrale.outputs import TokenLogprob
 from metrale.sampling.constraints import TokenConstraints
 from metrale.sampling.guided import GrammarCompiler
@@ -140,9 +143,11 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends,
                  failpoints: Failpoints = NO_FAILPOINTS, drafter: RunnerProposer | None = None,
-                 grammar_compiler: GrammarCompiler | None = None, group: TensorParallelGroup | None = None) -> None:
+                 grammar_compiler: GrammarCompiler | None = None, group: TensorParallelGroup | None = None,
+                 lora: LoraSlots | None = None) -> None:
         """`group`: rank 0's tensor-parallel group when the model is sharded (every step is sent to
-        the other ranks, which run the same forward; only this rank samples)."""
+        the other ranks, which run the same forward; only this rank samples). `lora`: the resident LoRA
+        adapters, when the model's family has LoRA support (None: a request with an adapter fails)."""
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_name = loaded.path.stem
@@ -156,6 +161,7 @@ class ModelRunner:
         self.grammar_compiler = grammar_compiler  # shared with the engine, which compiles ahead of submit
         self.constraints = TokenConstraints(self.model_config.vocab_size, grammar_compiler)
         self.group = group
+        self.lora = lora
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig, failpoints: Failpoints = NO_FAILPOINTS,
@@ -188,7 +194,11 @@ class ModelRunner:
                                        dc.head_dim, kv_dtype)
             drafter = DraftModelProposer(draft.model, draft_cache, backends.attention)
             logger.info("speculating with draft model %s (%d layers)", draft.path.name, dc.num_hidden_layers)
-        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter, grammar_compiler_for(loaded), group)
+        lora = None
+        if group is None and lora_targets(mc):  # no LoRA under tensor parallelism (the bank is not sharded)
+            lora = LoraSlots(loaded.model, mc, config.max_loras, config.max_lora_rank, loaded.dtype)
+        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter, grammar_compiler_for(loaded), group,
+                   lora)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "ModelRunner":
@@ -222,7 +232,8 @@ class ModelRunner:
             block_copies=tuple(step.scheduler_output.block_copies))
         if self.group is not None:
             self.group.send_forward(forward)  # the other ranks run it with this one
-        hidden = forward.run(self.model, self.kv_cache, self.backends.attention)  # (T, D)
+        with self._lora_step(step):
+            hidden = forward.run(self.model, self.kv_cache, self.backends.attention)  # (T, D)
         sample_rows, verify_rows, row = [], [], 0
         for s in scheduled:
             row += s.num_tokens
@@ -273,6 +284,16 @@ class ModelRunner:
                                   PromptLogprobs(*prompt) if prompt is not None else None,
                                   request_id in outcome.finished, RowError.of(error) if error is not None else None))
         return rows
+
+    def _lora_step(self, step: StepInput):
+        """Each token's LoRA slot set on the model while the forward's graph is built (metrale.engine.lora_slots)."""
+        scheduled = step.scheduler_output.scheduled
+        if self.lora is None:
+            if any(s.lora is not None for s in scheduled):
+                raise ValueError(f"this model ({self.model_config.architecture}) runs no LoRA adapters")
+            return contextlib.nullcontext()
+        self.lora.forget((*step.finished_request_ids, *step.scheduler_output.preempted_request_ids))
+        return self.lora.step(scheduled)
 
     def close(self) -> None:
         """Stop the grammar compiler's thread (the engine calls this at shutdown)."""

@@ -25,6 +25,7 @@ from metrale.errors import (DuplicateRequestError, EngineUnavailableError, Inval
 from metrale.outputs import CompletionResult
 from metrale.sampling.guided import require_llguidance
 from metrale.sampling_params import SamplingParams
+from scheduler import LoraRef
 
 OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
 OFF_LOOP_TEXT_PARAMS_CHARS = 256  # more bad words / stop strings are prepared on that thread (prepare)
@@ -63,14 +64,14 @@ class Submission:
         self._tokenize_thread: ThreadPoolExecutor | None = None
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None,
-                 priority: int) -> RequestStream | GroupStream:
+                 priority: int, lora: LoraRef | None = None) -> RequestStream | GroupStream:
         params = self._request_params(params)
-        return self.submit(self.inputs.prompt_ids(prompt), params, request_id, priority)
+        return self.submit(self.inputs.prompt_ids(prompt), params, request_id, priority, lora)
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None, request_id: str | None,
-             priority: int, tools: Sequence[Any] | None) -> RequestStream | GroupStream:
+             priority: int, tools: Sequence[Any] | None, lora: LoraRef | None = None) -> RequestStream | GroupStream:
         params = self._request_params(params)
-        return self.submit(self.inputs.chat_ids(messages, tools=tools), params, request_id, priority)
+        return self.submit(self.inputs.chat_ids(messages, tools=tools), params, request_id, priority, lora)
 
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
@@ -119,9 +120,10 @@ class Submission:
         return params
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-               priority: int) -> RequestStream | GroupStream:
+               priority: int, lora: LoraRef | None = None) -> RequestStream | GroupStream:
         """One sequence (a RequestStream), or params.n sequences sharing the prompt (a GroupStream whose
-        deltas carry their sequence's index; sequence i is request `request_id#i`, 0 is `request_id`)."""
+        deltas carry their sequence's index; sequence i is request `request_id#i`, 0 is `request_id`),
+        with the LoRA adapter `lora` (None: the base model)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         max_tokens = self._max_tokens(params, len(prompt_ids))
         eos = self.inputs.tokenizer.eos_token_ids
@@ -135,7 +137,7 @@ class Submission:
                 raise DuplicateRequestError(f"request {rid!r} is already in flight")
         texts = [self._outputs.new_request(prompt_ids, p, rid) for rid, p in zip(ids, sequences)]
         self._client.submit_group(ids, prompt_ids, sequences, priority=priority, eos_token_ids=eos,
-                                  max_tokens=max_tokens, num_open=len(self._streams))
+                                  max_tokens=max_tokens, num_open=len(self._streams), lora=lora)
         channels = self._streams.open(ids, texts, len(prompt_ids))
         if params.n == 1:
             return RequestStream(channels[0], functools.partial(self._abort, channel=channels[0]))

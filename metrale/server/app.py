@@ -4,7 +4,9 @@
     GET  /metrics                Prometheus text from the engine's registry (+ vLLM-named gauge aliases)
     GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
                                  what routers read from a replica: see worker_api.py
-    GET  /v1/models[/{id}]       the one served model
+    GET  /v1/models[/{id}]       the models served (resolve.py: the one place a request's model is resolved), LoRA
+                                 adapters included (parent: the base model, root: the adapter's folder)
+    POST /v1/load_lora_adapter /v1/unload_lora_adapter   with --enable-runtime-lora-updating (lora.py)
     GET  /openapi.json           the routes and request bodies as OpenAPI 3.1 (see openapi.py)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
@@ -33,7 +35,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, ollama, openapi, responses, tokenize, worker_api
+from metrale.server import anthropic, completions, lora, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -41,6 +43,7 @@ from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
 from metrale.server.unknown_fields import UnknownFields
 from metrale.server.hosts import HostPolicy
+from metrale.server.resolve import ModelListing, SingleModel
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -69,6 +72,9 @@ class ServerApp:
         routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
+    lora_modules: LoRA adapters registered once the engine has started (a bad one is a startup failure).
+    enable_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.py says why
+        they are off by default).
     """
 
     def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
@@ -77,8 +83,10 @@ class ServerApp:
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
-                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False) -> None:
+                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False,
+                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False) -> None:
         self.engine = engine
+        self.models = SingleModel(engine, served_model_name, tuple(model_aliases))
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.body_timeout_s = body_timeout_s
@@ -90,9 +98,9 @@ class ServerApp:
         self.access = AccessControl(api_key, self.cors, allowed_hosts if allowed_hosts is not None else HostPolicy())
         self.on_fatal = on_fatal
         self.vllm_metric_aliases = vllm_metric_aliases
+        self.lora_modules = tuple(lora_modules)
+        self.enable_runtime_lora_updating = enable_runtime_lora_updating
         self.startup_error: BaseException | None = None
-        self._served_model_name = served_model_name
-        self.model_aliases = tuple(model_aliases)
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
@@ -101,7 +109,7 @@ class ServerApp:
 
     @property
     def model_name(self) -> str:
-        return self._served_model_name or self.engine.model_name
+        return self.models.model_id
 
     @property
     def unknown_fields(self) -> UnknownFields:
@@ -161,7 +169,7 @@ class ServerApp:
             logger.debug("client disconnected before sending its body")
         except APIError as error:
             if error.reject_reason is not None:
-                self.engine.record_rejected(error.reject_reason)
+                self.models.record_rejected(error.reject_reason)
             if started:
                 raise
             await send_error(tracked_send, error)
@@ -184,36 +192,39 @@ class ServerApp:
             return await self._only(scope, send_json(send, 200, self._openapi()))
         if path in tokenize.PATHS:
             body = await self._json_body(scope, receive)
-            return await tokenize.handle(self.engine, self.model_name, path, body, send,
-                                         model_aliases=self.model_aliases)
+            async with self.models.request_scope() as models:
+                return await tokenize.handle(models, path, body, send)
         if ollama.serves(path):
             body = await self._json_body(scope, receive) if method == "POST" else b""
-            return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
-                                       request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
+            async with self.models.request_scope() as models:
+                return await ollama.handle(models, method, path, body, send, receive,
+                                           request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                           reasoning_parser=self.reasoning_parser)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
         if path in anthropic.PATHS:
             body = await self._json_body(scope, receive)
-            return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
-                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                          model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
+            async with self.models.request_scope() as models:
+                return await anthropic.handle(models, path, body, send, receive,
+                                              request_id=client_request_id(scope),
+                                              tool_call_format=self.tool_call_parser,
+                                              reasoning_parser=self.reasoning_parser)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             body = await self._json_body(scope, receive)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
-                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
+                       "tool_call_format": self.tool_call_parser,
                        "reasoning_parser": self.reasoning_parser, "unknown_fields": self.unknown_fields}
-            if path == RESPONSES_PATH:
-                return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
-            return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
-                                            send, receive, **options)
+            async with self.models.request_scope() as models:
+                if path == RESPONSES_PATH:
+                    return await responses.handle(models, body, send, receive, **options)
+                return await completions.handle(models, body, _POST_ROUTES[path], send, receive, **options)
+        if path in lora.PATHS and self.enable_runtime_lora_updating:
+            return await lora.handle(self.engine, path, await self._json_body(scope, receive), send)
         if path == "/v1/models":
-            return await self._only(scope, send_json(send, 200, {"object": "list", "data": [self._model_card()]}))
+            cards = [self._model_card(model) for model in self.models.listing()]
+            return await self._only(scope, send_json(send, 200, {"object": "list", "data": cards}))
         if path.startswith("/v1/models/"):
-            model = path.removeprefix("/v1/models/")
-            if model != self.model_name and model not in self.model_aliases:
-                raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-            return await self._only(scope, send_json(send, 200, self._model_card()))
+            return await self._only(scope, self._one_model_card(path.removeprefix("/v1/models/"), send))
         raise APIError(404, f"no route for {path}", code="not_found")
 
     @staticmethod
@@ -260,14 +271,23 @@ class ServerApp:
 
     def _openapi(self) -> dict[str, Any]:
         if self._openapi_document is None:
-            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
+            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name,
+                                                              lora_routes=self.enable_runtime_lora_updating)
         return self._openapi_document
 
-    def _model_card(self) -> dict[str, Any]:
-        """vLLM's model card, with the other ids requests may use for the model (answered as it)."""
-        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",
-                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len,
-                "aliases": list(self.model_aliases)}
+    async def _one_model_card(self, requested: str, send: Send) -> None:
+        for model in self.models.listing():
+            if requested == model.model_id or requested in model.aliases:
+                return await send_json(send, 200, self._model_card(model))
+        raise APIError(404, f"model {requested!r} does not exist", param="model", code="model_not_found")
+
+    def _model_card(self, model: ModelListing) -> dict[str, Any]:
+        """vLLM's model card, with the other ids requests may use for the model (answered as it), and whether it is
+        resident ("status": loaded | loading | unloaded | failed; its size on disk in bytes)."""
+        return {"id": model.model_id, "object": "model", "created": self._created, "owned_by": "metrale",
+                "root": model.path if model.parent is not None else model.model_id, "parent": model.parent,
+                "max_model_len": model.engine.max_model_len if model.engine is not None else None,
+                "aliases": list(model.aliases), "status": model.status, "size": model.size_bytes}
 
     # ---- lifespan ----
 
@@ -287,6 +307,7 @@ class ServerApp:
     async def _start_engine(self) -> None:
         try:
             await self.engine.start()
+            await lora.register(self.engine, self.lora_modules, self.model_name)
         except asyncio.CancelledError:
             raise
         except Exception as error:

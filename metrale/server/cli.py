@@ -26,6 +26,7 @@ from metrale.server.connections import deadline_protocol
 from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
 from metrale.server.hosts import HostPolicy, parse_allowed_hosts
+from metrale.server.lora import parse_lora_module
 from metrale.settings import RuntimeSettings
 from metrale.text.output_parsing import CHOOSABLE
 
@@ -89,6 +90,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-engine-process runs them in the server process")
     engine.add_argument("--max-engine-restarts", type=int, default=defaults.max_engine_restarts, metavar="N",
                         help="engine process deaths survived within 10 minutes; one more makes the server exit 1")
+    engine.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH",
+                        help="a LoRA adapter folder (mlx-lm or PEFT) served as model NAME (repeatable); also "
+                             "vLLM's JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    engine.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                        help="LoRA adapters resident and running at once (LRU; a request for another waits)")
+    engine.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="largest adapter rank loaded")
+    engine.add_argument("--enable-runtime-lora-updating", action="store_true",
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (they read folders a "
+                             "client names; the API key still applies)")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", action=_JoinHosts,
                       help="address to listen on; repeat it or give a comma list to listen on several at once "
@@ -175,7 +185,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,
                         tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config,
-                        engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
+                        engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 class DrainingServer(uvicorn.Server):
@@ -250,6 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
         origins = parse_origins(args.allowed_origins)
         hosts = listen_hosts(args.host)
         host_policy = HostPolicy.for_listen(hosts, parse_allowed_hosts(args.allowed_hosts))
+        lora_modules = tuple(parse_lora_module(text) for text in args.lora_modules or ())
     except ValueError as error:  # a bad flag value: say which, no traceback
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 2
@@ -265,7 +277,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     allowed_origins=origins, allowed_hosts=host_policy,
-                    vllm_metric_aliases=args.vllm_metric_aliases)
+                    vllm_metric_aliases=args.vllm_metric_aliases, lora_modules=lora_modules,
+                    enable_runtime_lora_updating=args.enable_runtime_lora_updating)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto",
                             http=deadline_protocol(args.header_timeout),
                             lifespan="on",

@@ -23,7 +23,6 @@ from typing import Any
 
 import msgspec
 
-from metrale.engine.protocol import EngineClient
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
 from metrale.server import chat_output, completions, protocol
@@ -31,6 +30,7 @@ from metrale.server import ollama_protocol as op
 from metrale.server.asgi import Receive, Send, run_until_disconnect, send_bytes, send_json
 from metrale.server.access import MethodNotAllowed
 from metrale.server.errors import APIError
+from metrale.server.resolve import ModelListing, ModelResolver, Target
 
 # The Ollama API version this surface follows; clients compare it to decide which fields to send.
 API_VERSION = "0.12.0"
@@ -44,39 +44,39 @@ def serves(path: str) -> bool:
     return path == "/" or path.startswith("/api/")
 
 
-async def handle(engine: EngineClient, served_model: str, method: str, path: str, body: bytes, send: Send,
+async def handle(models: ModelResolver, method: str, path: str, body: bytes, send: Send,
                  receive: Receive, *, request_id: str | None = None, tool_call_format: str | None = None,
-                 model_aliases: tuple[str, ...] = (), reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None) -> None:
     """Serve one Ollama API request; anything refused is `{"error": ...}` with the OpenAI routes' status."""
     try:
         if path == "/":
             if method not in ("GET", "HEAD"):
                 raise MethodNotAllowed(path, method, "GET, HEAD")
             return await send_bytes(send, 200, b"Ollama is running", [(b"content-type", b"text/plain")])
-        if engine.max_model_len == 0:
+        if not models.ready():
             raise APIError(503, "model is loading; retry shortly", code="loading")
         if path in _READS:
             if method != "GET":
                 raise MethodNotAllowed(path, method, "GET")
-            return await send_json(send, 200, _READS[path](engine, served_model))
+            return await send_json(send, 200, _READS[path](models))
         if method != "POST":
             raise MethodNotAllowed(path, method, "POST")
         if path == "/api/show":
             request = protocol.decode(body, op.ModelRequest)
-            protocol.model_or_404(op.model_name(request.model_name), served_model, model_aliases)
-            return await send_json(send, 200, _show(engine, served_model))
+            target = await models.resolve(op.model_name(request.model_name))
+            return await send_json(send, 200, _show(target))
         if path not in ("/api/chat", "/api/generate"):
             raise APIError(400 if path in _REFUSED else 404, _refusal(path), code="not_supported")
         chat = path == "/api/chat"
         ollama_request = protocol.decode(body, op.ChatRequest if chat else op.GenerateRequest)
         request = op.chat_request(ollama_request) if chat else op.generate_request(ollama_request)
-        call, stream = await completions.open_stream(engine, served_model, request, default_max_tokens=None,
+        target = await models.resolve(request.model)
+        call, stream = await completions.open_stream(target, request, default_max_tokens=None,
                                                      request_id=request_id, tool_call_format=tool_call_format,
-                                                     model_aliases=model_aliases,
                                                      reasoning_parser=reasoning_parser or "auto")
     except APIError as error:
         if error.reject_reason is not None:
-            engine.record_rejected(error.reject_reason)
+            models.record_rejected(error.reject_reason)
         return await send_json(send, error.status, {"error": error.message}, error.headers)
     answer = _Answer(ollama_request.model, call, chat)
     respond = _stream_response if ollama_request.stream else _full_response
@@ -189,30 +189,42 @@ async def _stream_response(answer: _Answer, stream: Any, send: Send) -> None:
     await line({"error": completions.ABORTED}, more=False)
 
 
-def _model_entry(engine: EngineClient, served_model: str) -> dict[str, Any]:
-    info = engine.info()
-    return {"name": served_model, "model": served_model, "modified_at": _now(), "size": 0, "digest": "",
-            "details": {"parent_model": "", "format": "gguf" if info.model_path.endswith(".gguf") else "safetensors",
-                        "family": info.model_type, "families": [info.model_type], "parameter_size": "",
+def _model_entry(model: ModelListing) -> dict[str, Any]:
+    """Ollama's model object; the family is known once the model has loaded."""
+    info = model.engine.info() if model.engine is not None else None
+    family = info.model_type if info is not None else ""
+    path = info.model_path if info is not None else model.path
+    return {"name": model.model_id, "model": model.model_id, "modified_at": _now(), "size": model.size_bytes,
+            "digest": "",
+            "details": {"parent_model": "", "format": "gguf" if path.endswith(".gguf") else "safetensors",
+                        "family": family, "families": [family] if family else [], "parameter_size": "",
                         "quantization_level": ""}}
 
 
-def _tags(engine: EngineClient, served_model: str) -> dict[str, Any]:
-    return {"models": [_model_entry(engine, served_model)]}
+def _tags(models: ModelResolver) -> dict[str, Any]:
+    return {"models": [_model_entry(model) for model in models.listing()]}
 
 
-def _ps(engine: EngineClient, served_model: str) -> dict[str, Any]:
-    entry = _model_entry(engine, served_model)
-    return {"models": [{**entry, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
-                        "context_length": engine.max_model_len}]}
+def _ps(models: ModelResolver) -> dict[str, Any]:
+    return {"models": [{**_model_entry(model), "expires_at": _expiry(model.expires_at), "size_vram": 0,
+                        "size": model.resident_bytes or model.size_bytes,
+                        "context_length": model.engine.max_model_len}
+                       for model in models.listing() if model.engine is not None and model.status == "loaded"]}
 
 
-def _version(engine: EngineClient, served_model: str) -> dict[str, Any]:
+def _expiry(expires_at: float | None) -> str:
+    if expires_at is None:
+        return "9999-12-31T23:59:59Z"
+    return datetime.fromtimestamp(expires_at, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _version(models: ModelResolver) -> dict[str, Any]:
     return {"version": API_VERSION}
 
 
-def _show(engine: EngineClient, served_model: str) -> dict[str, Any]:
-    entry = _model_entry(engine, served_model)
+def _show(target: Target) -> dict[str, Any]:
+    engine = target.engine
+    entry = _model_entry(ModelListing(target.model_id, engine=engine))
     capabilities = ["completion"] + (["tools"] if engine.tool_call_format is not None else [])
     return {"modelfile": "", "parameters": "", "template": "", "license": "", "modified_at": entry["modified_at"],
             "details": entry["details"], "capabilities": capabilities,
