@@ -6,7 +6,7 @@
 #include <atomic>
 #include <stdexcept>
 
-#if defined(__x86_64__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__linux__) && defined(METRALE_HAVE_AMX)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -26,7 +26,7 @@ bool runs_avx512() {
 }
 #endif
 
-#if defined(__x86_64__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__linux__) && defined(METRALE_HAVE_AMX)
 // AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25), the OS saving their state (XCR0 bits 17, 18), and
 // Linux granting this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18:
 // refused by kernels before 5.16 or by policy). Asked once per process; the grant covers every thread.
@@ -61,7 +61,7 @@ const std::vector<Entry>& entries() {
          return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
        }},
       {"avx512", kernel_table_avx512, runs_avx512},
-#if defined(__linux__)
+#if defined(__linux__) && defined(METRALE_HAVE_AMX)
       {"avx512_amx", kernel_table_avx512_amx, runs_amx},
 #endif
 #endif
