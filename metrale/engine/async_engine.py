@@ -31,10 +31,12 @@ from metrale.engine.runner import ModelRunner
 from metrale.engine.startup import RunnerFactory, TextFrontEnd, default_model_label, read_model_sampling_defaults
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.engine.streams import RequestStreams
-from metrale.engine.submission import Submission, collect_result, counting_rejections, prepares_text
+from metrale.engine.submission import (Submission, collect_embeddings, collect_result, counting_rejections,
+                                       prepares_text)
 from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineRestartingError
 from metrale.failpoints import Failpoints
-from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
+from metrale.outputs import CompletionResult, EmbeddingOutput, EngineInfo, EngineState, EngineStats
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.settings import RuntimeSettings
 from metrale.speculative.proposers import HostProposer
@@ -247,6 +249,17 @@ class AsyncEngine:
 
     def _lora_ref(self, name: str | None) -> LoraRef | None:
         return None if name is None else self._started_loras().get(name)
+
+    async def embed(self, prompts: Sequence[str | Sequence[int]], params: PoolingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in order: each prompt is computed through the scheduler
+        like any other (batched with the other requests' work, chunked when long), pooled from the final hidden
+        states as EngineConfig.pooling says, then its KV blocks are freed. Raises a RequestRejectedError (too
+        many prompts, an empty or too long one, bad ids, `dimensions` the model does not support, queue full)
+        and queues nothing then; RequestFailedError if one fails. Cancelling the call aborts every prompt."""
+        with counting_rejections(self.metrics):
+            streams = await self._accepting().embed(prompts, params, request_id, priority)
+        return await collect_embeddings(streams)
 
     def abort(self, request_id: str, *, channel: OutputChannel | None = None) -> bool:
         """Abort a request (sync). Its stream ends with finish_reason "abort" at the next step

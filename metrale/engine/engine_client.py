@@ -31,6 +31,7 @@ from metrale.config import EngineConfig
 from metrale.engine import ipc
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.step import EngineOutput, RowError
+from metrale.pooling_params import PoolingParams
 from metrale.errors import (EngineDeadError, EngineRestartingError, InvalidStructuredOutputError, QueueFullError)
 from metrale.sampling_params import SamplingParams
 from metrale.structured_outputs import StructuredOutputs
@@ -239,8 +240,9 @@ class EngineProcess:
 
     def submit_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams],
                      *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int, num_open: int,
-                     lora: LoraRef | None = None) -> None:
-        """Check what the child's scheduler would refuse (its typed rejections, raised here), then send."""
+                     lora: LoraRef | None = None, pooling: PoolingParams | None = None) -> None:
+        """Check what the child's scheduler would refuse (its typed rejections, raised here), then send.
+        `pooling`: an embedding request (one id), pooled instead of sampled."""
         requests = [Request(rid, prompt_token_ids, max_tokens=max_tokens, eos_token_ids=eos_token_ids,
                             min_tokens=p.min_tokens, priority=priority, lora=lora) for rid, p in zip(request_ids, params)]
         for request in requests:
@@ -250,7 +252,7 @@ class EngineProcess:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests); "
                                  f"request {request_ids[0]!r} rejected")
         self._send(ipc.Add(list(request_ids), prompt_token_ids, list(params), eos_token_ids, max_tokens, priority,
-                           lora))
+                           lora, pooling))
 
     def abort(self, request_id: str) -> bool:
         """Hand the abort to the child: True means only that it was sent (as from another thread in-process)."""

@@ -33,7 +33,8 @@ from metrale.engine.async_engine import AsyncEngine, collect_result
 from metrale.engine.startup import RunnerFactory
 from metrale.engine.stream import RequestStream
 from metrale.errors import EngineNotRunningError, RequestFailedError
-from metrale.outputs import CompletionResult, EngineStats, RequestOutput
+from metrale.outputs import CompletionResult, EmbeddingOutput, EngineStats, RequestOutput
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.settings import RuntimeSettings
 from metrale.text.tokenizer import Tokenizer
@@ -97,6 +98,12 @@ class LLM:
                    for m, sp, adapter in zip(conversations, _per_prompt(params, conversations),
                                              _adapters(lora, conversations))]
         return self._call(self._run_batch, submits, progress)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in order, batched together (AsyncEngine.embed: at most
+        MAX_EMBED_INPUTS prompts; a rejection queues nothing)."""
+        prompts = _as_list(prompts, single=lambda p: isinstance(p, str) or _is_token_ids(p))
+        return self._call(self._engine.embed, prompts, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> "CompletionStream":
         """Queue one request now (a rejection raises here) and return a plain iterator of its

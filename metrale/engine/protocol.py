@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from metrale.engine.stream import GroupStream, RequestStream
-from metrale.outputs import EngineInfo, EngineState, EngineStats
+from metrale.outputs import EmbeddingOutput, EngineInfo, EngineState, EngineStats
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 
 
@@ -68,6 +69,10 @@ class EngineClient(Protocol):
              lora: str | None = None) -> RequestStream | GroupStream:
         """`generate` over the model's chat template rendered for `messages` (and `tools`)."""
 
+    async def embed(self, prompts: Sequence[str | Sequence[int]], params: PoolingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in order (pooled from the final hidden states, through the scheduler);
+        raises a typed rejection and queues nothing on bad input; cancelling aborts every prompt."""
     async def add_lora(self, name: str, path: str) -> None:
         """Register a LoRA adapter folder as `name`; InvalidLoraAdapterError names what does not fit."""
 

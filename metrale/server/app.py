@@ -11,6 +11,7 @@
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
+    POST /v1/embeddings          see embeddings.py (with `task="embed"`, which refuses the generation routes)
     POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
     POST /tokenize /detokenize   vLLM's token routes: see tokenize.py
     GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
@@ -35,7 +36,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, lora, ollama, openapi, responses, tokenize, worker_api
+from metrale.server import anthropic, completions, embeddings, lora, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -43,17 +44,18 @@ from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
 from metrale.server.unknown_fields import UnknownFields
 from metrale.server.hosts import HostPolicy
-from metrale.server.resolve import ModelListing, SingleModel
+from metrale.server.resolve import ModelListing, ModelSet, SingleModel
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 RESPONSES_PATH = "/v1/responses"
+TASKS = ("generate", "embed")  # what a server runs: its generation routes, or its embedding routes
 
 
 class ServerApp:
     """ASGI app serving `engine` (any metrale.engine.protocol.EngineClient, e.g. an AsyncEngine) over
-    OpenAI's HTTP API.
+    OpenAI's HTTP API, or `models` (managed.ManagedModels: several models loaded on demand) instead.
 
     api_key: when set, every route but /health and /metrics requires `Authorization: Bearer <api_key>`.
     served_model_name: the model id clients use; the engine's model name by default.
@@ -75,18 +77,31 @@ class ServerApp:
     lora_modules: LoRA adapters registered once the engine has started (a bad one is a startup failure).
     enable_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.py says why
         they are off by default).
+    task: "generate" (completions, chat, responses, messages, Ollama chat/generate) or "embed" (/v1/embeddings,
+        Ollama's /api/embed and /api/embeddings); the other task's routes answer a 400 naming the task.
     """
 
-    def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
+    def __init__(self, engine: EngineClient | None = None, *, models: ModelSet | None = None,
+                 api_key: str | None = None, served_model_name: str | None = None,
                  model_aliases: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
                  on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False,
-                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False) -> None:
-        self.engine = engine
-        self.models = SingleModel(engine, served_model_name, tuple(model_aliases))
+                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False,
+                 task: str = "generate") -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        self.task = task
+        if (engine is None) == (models is None):
+            raise ValueError("ServerApp serves one engine or a set of models: give engine or models")
+        if models is not None and (lora_modules or enable_runtime_lora_updating):
+            raise ValueError("LoRA adapters run on the one engine of a one-model server, not on models loaded on "
+                             "demand")
+        self.models: ModelSet = models if models is not None else SingleModel(engine, served_model_name,
+                                                                                tuple(model_aliases))
+        self.engine = self.models.engine  # None when models load on demand
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.body_timeout_s = body_timeout_s
@@ -120,18 +135,17 @@ class ServerApp:
 
     def health(self) -> str:
         """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
-        return "unhealthy" if self.startup_error is not None else self.engine.health()
+        return "unhealthy" if self.startup_error is not None else self.models.health()
 
     def force_stop(self) -> None:
         """Abort every open request now (a forced exit): each stream ends with an error event."""
-        if self.engine.health() in ("serving", "draining", "unhealthy"):
-            self.engine.abort_all()
+        self.models.force_stop()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
         if self._start_task is not None and not self._start_task.done():
             return  # still loading: nothing in flight; shutdown cancels the load
-        await self.engine.drain(timeout_s)
+        await self.models.drain(timeout_s)
 
     # ---- ASGI ----
 
@@ -199,9 +213,17 @@ class ServerApp:
             async with self.models.request_scope() as models:
                 return await ollama.handle(models, method, path, body, send, receive,
                                            request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                           reasoning_parser=self.reasoning_parser)
+                                           reasoning_parser=self.reasoning_parser, task=self.task)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
+        if method == "POST" and (path == embeddings.PATH or path in anthropic.PATHS or path in _POST_ROUTES
+                                 or path == RESPONSES_PATH):
+            self._check_task(path)  # another method is a 405 (read below)
+        if path == embeddings.PATH:
+            body = await self._json_body(scope, receive)
+            async with self.models.request_scope() as models:
+                return await embeddings.handle(models, body, send, receive, request_id=client_request_id(scope),
+                                               unknown_fields=self.unknown_fields)
         if path in anthropic.PATHS:
             body = await self._json_body(scope, receive)
             async with self.models.request_scope() as models:
@@ -227,6 +249,14 @@ class ServerApp:
             return await self._only(scope, self._one_model_card(path.removeprefix("/v1/models/"), send))
         raise APIError(404, f"no route for {path}", code="not_found")
 
+    def _check_task(self, path: str) -> None:
+        """A 400 for a route of the task this server does not run."""
+        embedding = path == embeddings.PATH
+        if embedding != (self.task == "embed"):
+            needed = "embed" if embedding else "generate"
+            raise APIError(400, f"this server runs task {self.task}; {path} needs a server started with "
+                                f"--task {needed}", code="wrong_task", reject_reason="invalid_request")
+
     @staticmethod
     async def _only(scope: Scope, response: Any) -> None:
         """Send a GET route's `response` (a coroutine), or a 405 for any other method."""
@@ -249,15 +279,18 @@ class ServerApp:
     @property
     def _started(self) -> bool:
         """The engine has loaded its model (max_model_len is 0 until then)."""
-        return self.startup_error is None and self.engine.max_model_len > 0
+        return self.startup_error is None and self.engine is not None and self.engine.max_model_len > 0
 
     async def _metrics(self, send: Send) -> None:
-        body = self.engine.metrics_exposition() + self.unknown_fields.exposition()
+        body = self.models.metrics_exposition() + self.unknown_fields.exposition()
         if self.vllm_metric_aliases and self._started:
             body += worker_api.vllm_gauges(self.engine.stats(), self.model_name)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
     async def _worker_info(self, path: str, send: Send) -> None:
+        if self.engine is None:
+            raise APIError(404, f"{path} describes one model; this server loads several on demand (see /v1/models)",
+                           code="not_found")
         if not self._started:
             raise APIError(503, f"{path} is known once the model has loaded", code=self.health())
         info = self.engine.info()
@@ -306,8 +339,9 @@ class ServerApp:
 
     async def _start_engine(self) -> None:
         try:
-            await self.engine.start()
-            await lora.register(self.engine, self.lora_modules, self.model_name)
+            await self.models.start()
+            if self.engine is not None:
+                await lora.register(self.engine, self.lora_modules, self.model_name)
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -316,13 +350,16 @@ class ServerApp:
             if self.on_fatal is not None:
                 self.on_fatal()
             return
-        logger.info("serving model %s (max_model_len %d)", self.model_name, self.engine.max_model_len)
+        if self.engine is not None:
+            logger.info("serving model %s (max_model_len %d)", self.model_name, self.engine.max_model_len)
+        else:
+            logger.info("serving %d models, loaded on demand", len(self.models.listing()))
         self._death_watch = asyncio.create_task(self._watch_for_death(), name="metrale-engine-death-watch")
 
     async def _watch_for_death(self) -> None:
         """A dead engine cannot recover in this process: after a grace period (so clients get their
         503s and error events), ask the process to exit non-zero so that its supervisor restarts it."""
-        error = await self.engine.wait_until_dead()
+        error = await self.models.wait_until_dead()
         if error is None:
             return  # shut down cleanly
         logger.critical("engine died (%s: %s); exiting in %.0f s so the supervisor restarts the server",
@@ -336,7 +373,7 @@ class ServerApp:
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        await self.engine.shutdown()
+        await self.models.shutdown()
 
 
 def _request_id_header(scope: Scope) -> list[tuple[bytes, bytes]]:

@@ -14,8 +14,9 @@ import msgspec
 
 from metrale import __version__
 from metrale.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from metrale.server.embeddings import EmbeddingRequest
 from metrale.server.lora import LOAD_PATH, UNLOAD_PATH, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from metrale.server.ollama_protocol import ChatRequest, GenerateRequest, ModelRequest
+from metrale.server.ollama_protocol import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ModelRequest
 from metrale.server.protocol import ChatCompletionRequest, CompletionRequest
 from metrale.server.responses_protocol import ResponsesRequest
 from metrale.server.tokenize import DetokenizeRequest, TokenizeRequest
@@ -44,18 +45,21 @@ _POST_ROUTES = (  # path, operationId, body type, answer content types
     ("/v1/responses", "createResponse", ResponsesRequest, (_JSON, _SSE)),
     ("/v1/messages", "anthropicMessages", MessagesRequest, (_JSON, _SSE)),
     ("/v1/messages/count_tokens", "anthropicCountTokens", CountTokensRequest, (_JSON,)),
+    ("/v1/embeddings", "createEmbedding", EmbeddingRequest, (_JSON,)),  # under --task embed
     ("/tokenize", "tokenize", TokenizeRequest, (_JSON,)),
     ("/detokenize", "detokenize", DetokenizeRequest, (_JSON,)),
     ("/api/chat", "ollamaChat", ChatRequest, (_JSON, _NDJSON)),
     ("/api/generate", "ollamaGenerate", GenerateRequest, (_JSON, _NDJSON)),
     ("/api/show", "ollamaShow", ModelRequest, (_JSON,)),
+    ("/api/embed", "ollamaEmbed", EmbedRequest, (_JSON,)),  # under --task embed
+    ("/api/embeddings", "ollamaEmbeddings", EmbeddingsRequest, (_JSON,)),
 )
 _LORA_ROUTES = (  # only with --enable-runtime-lora-updating
     (LOAD_PATH, "loadLoraAdapter", LoadLoraAdapterRequest, ("text/plain",)),
     (UNLOAD_PATH, "unloadLoraAdapter", UnloadLoraAdapterRequest, ("text/plain",)),
 )
-_OPENAI_SHAPED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
-                  LOAD_PATH, UNLOAD_PATH)
+_OPENAI_SHAPED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                  "/detokenize", LOAD_PATH, UNLOAD_PATH)
 _OPEN_ROUTES = ("/health", "/metrics")
 
 

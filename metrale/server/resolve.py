@@ -53,8 +53,33 @@ class ModelListing:
     parent: str | None = None
 
 
+class ModelSet(Protocol):
+    """All the models a ServerApp serves, with their lifecycle: SingleModel, or managed.ManagedModels."""
+
+    engine: EngineClient | None  # the one engine of a one-model server; None when models load on demand
+
+    @property
+    def model_id(self) -> str:
+        """The model a request that names none gets."""
+
+    def request_scope(self) -> contextlib.AbstractAsyncContextManager[ModelResolver]:
+        """One HTTP request's resolver; what it resolved is held until the scope ends."""
+
+    def listing(self) -> list[ModelListing]: ...
+    def record_rejected(self, reason: str) -> None: ...
+    def health(self) -> str: ...
+    async def start(self) -> None: ...
+    async def drain(self, timeout_s: float) -> None: ...
+    async def shutdown(self) -> None: ...
+    def force_stop(self) -> None: ...
+    async def wait_until_dead(self) -> BaseException | None: ...
+    def metrics_exposition(self) -> bytes: ...
+
+
 class ModelResolver(Protocol):
     """Resolves the `model` of one HTTP request (see the module docstring)."""
+
+    loads_on_demand: bool  # models are loaded and unloaded as requests ask (keep_alive applies)
 
     async def resolve(self, requested: str | None, *, keep_alive: float | None = None) -> Target:
         """The target for `requested` (None: the default model); raises APIError: 404 for a model not served,
@@ -83,6 +108,8 @@ class SingleModel:
     """The one-engine server's models: `engine` under `served_model_name` (the engine's model name by default) and
     `aliases` (other ids answered as it, e.g. "unknown", which sglang-router sends for a chat request without one),
     and the engine's registered LoRA adapters, each a model id that runs `engine` with it."""
+
+    loads_on_demand = False  # the model stays resident for the server's life
 
     def __init__(self, engine: EngineClient, served_model_name: str | None = None,
                  aliases: tuple[str, ...] = ()) -> None:
@@ -116,3 +143,27 @@ class SingleModel:
 
     def ready(self) -> bool:
         return self.engine.max_model_len > 0
+
+    # ---- lifecycle (ServerApp's) ----
+
+    def health(self) -> str:
+        return self.engine.health()
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def drain(self, timeout_s: float) -> None:
+        await self.engine.drain(timeout_s)
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    def force_stop(self) -> None:
+        if self.engine.health() in ("serving", "draining", "unhealthy"):
+            self.engine.abort_all()
+
+    async def wait_until_dead(self) -> BaseException | None:
+        return await self.engine.wait_until_dead()
+
+    def metrics_exposition(self) -> bytes:
+        return self.engine.metrics_exposition()
