@@ -119,6 +119,7 @@ const KernelTable* kernel_table_scalar();
 #if defined(__x86_64__) || defined(_M_X64)
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_avx512_amx();  // avx512 with AMX int8 tiles for qmm_panels (qmm_amx.cpp)
 #endif
 
 }  // namespace metrale
