@@ -2,10 +2,15 @@
 
     .venv/bin/python benchmarks/attention_bench.py            # default model shape: 9 heads, 3 kv, hd 64
     .venv/bin/python benchmarks/attention_bench.py --layers 30 --repeat 10 --context 256
+    .venv/bin/python benchmarks/attention_bench.py --n-heads 32 --n-kv-heads 8 --kv-dtype float16 \
+        --prefill-chunks 512x2048 512x8192 --layers 2 --repeat 5 --num-blocks 1100   # the 1B shape, long context
 
 Each timed graph chains `--layers` attention calls (one pool per layer, each layer's queries depend
 on the previous output, as in a forward pass) and is evaluated once; the figure is the median wall
 time over `--repeat` graphs divided by the layers. Also reports the K/V write and metadata build.
+--prefill-chunks QxC ... runs one prefill case per chunk (Q queries ending at context C) instead of the three
+default cases; the "gathered" backend is the kernel backend without its paged prefill (gather + matmuls +
+fused softmax), the path paged prefill replaced.
 METRALE_ATTENTION_THREADS=N sets the kernel's threads (default: the CPUs this process may use).
 """
 
@@ -27,8 +32,12 @@ import numpy as np  # noqa: E402
 
 from kernels import ext as _ext  # noqa: E402
 from kernels.backend import attention_backend
+from kvcache import attention as _attention  # noqa: E402
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
 from kvcache.storage import PagedKVCache  # noqa: E402
+
+
+_has_paged_prefill = _attention.ext.has_paged_prefill
 
 
 def make_batch(rng, num_decode, context, chunks, block_size, num_blocks):
@@ -60,11 +69,11 @@ def run_case(name, args, num_decode, chunks, backends):
     bs, hd, n_heads, n_kv = args.block_size, args.head_dim, args.n_heads, args.n_kv_heads
     query_lens, context_lens, tables = make_batch(rng, num_decode, args.context, chunks, bs, args.num_blocks)
     num_tokens = sum(query_lens)
-    cache = PagedKVCache(args.layers, args.num_blocks, bs, n_kv, hd)
+    cache = PagedKVCache(args.layers, args.num_blocks, bs, n_kv, hd, getattr(mx, args.kv_dtype))
     for layer in range(args.layers):  # fill the pools with random data (not timed)
         k_pool, v_pool = cache.layer(layer)
-        k_pool[:] = mx.random.normal(k_pool.shape)
-        v_pool[:] = mx.random.normal(v_pool.shape)
+        k_pool[:] = mx.random.normal(k_pool.shape).astype(k_pool.dtype)
+        v_pool[:] = mx.random.normal(v_pool.shape).astype(v_pool.dtype)
     mx.eval([cache.layer(i) for i in range(args.layers)])
     queries = [mx.random.normal((num_tokens, n_heads, hd)) for _ in range(args.layers)]  # each (T, H, hd)
     new_kv = mx.random.normal((num_tokens, n_kv, hd))  # (T, n_kv, hd)
@@ -84,7 +93,8 @@ def run_case(name, args, num_decode, chunks, backends):
     print(f"  metadata build {build_ms:.3f} ms/step   K/V write {write_ms:.3f} ms/layer")
     results = {}
     for backend in backends:
-        os.environ["METRALE_ATTENTION"] = backend
+        os.environ["METRALE_ATTENTION"] = "kernel" if backend == "gathered" else backend
+        _attention.ext.has_paged_prefill = (lambda: False) if backend == "gathered" else _has_paged_prefill
         scale = hd**-0.5
 
         def forward():
@@ -99,9 +109,10 @@ def run_case(name, args, num_decode, chunks, backends):
         results[backend] = forward()
         ms = timed(forward, args.repeat) / args.layers * 1e3
         print(f"  {backend:9s} attention {ms:7.3f} ms/layer   ({ms * 30:.1f} ms per 30-layer step)")
-    if len(results) == 2:
-        diff = max(float(mx.max(mx.abs(a - b))) for a, b in zip(results["reference"], results["kernel"]))
-        print(f"  max |kernel - reference| = {diff:.2e}")
+    for other in ("reference", "gathered"):
+        if other in results and "kernel" in results:
+            diff = max(float(mx.max(mx.abs(a - b))) for a, b in zip(results[other], results["kernel"]))
+            print(f"  max |kernel - {other}| = {diff:.2e}")
 
 
 def main(argv=None):
@@ -116,19 +127,26 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--window", type=int, default=None)
-    p.add_argument("--backend", choices=["reference", "kernel", "both"], default="both")
+    p.add_argument("--backend", choices=["reference", "kernel", "both", "gathered", "kernel+gathered"], default="both")
+    p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--prefill-chunks", nargs="+", metavar="QxC", help="prefill cases: Q queries ending at context C")
     args = p.parse_args(argv)
 
     has_kernel = _ext.load() is not None
     if args.backend == "kernel" and not has_kernel:
         p.error("the kernel is not built: python -m kernels.build")
-    backends = ["reference", "kernel"] if args.backend == "both" and has_kernel else [args.backend]
+    backends = ["reference", "kernel"] if args.backend == "both" and has_kernel else args.backend.split("+")
     if args.backend == "both" and not has_kernel:
         backends = ["reference"]
         print("(kernel not built: reference only)")
     os.environ.pop("METRALE_ATTENTION", None)
     print(f"mlx {mx.__version__}, device {mx.default_device()}, default backend {attention_backend()}, "
           f"{args.layers} layers per graph, {args.repeat} repeats")
+    if args.prefill_chunks:
+        for spec in args.prefill_chunks:
+            q, c = map(int, spec.split("x"))
+            run_case(f"prefill {q}x{c}", args, 0, [(q, c)], backends)
+        return
     run_case("decode", args, args.num_decode, [], backends)
     run_case("mixed", args, args.num_decode - 4, [(128, 128), (64, 320), (16, 1040), (5, 21)], backends)
     run_case("prefill", args, 0, [(512, 512), (256, 1024)], backends)

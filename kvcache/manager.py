@@ -35,6 +35,7 @@ class KVSequence(Protocol):
     request_id: str
     num_computed_tokens: int
     cache_salt: str | None
+    lora_key: str | None  # the LoRA adapter's identity; None for the base model
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
@@ -115,7 +116,7 @@ class KVCacheManager:
         if rec is None:
             rec = self._records[seq.request_id] = _RequestBlocks()
         hashes = extend_block_hashes(
-            rec.hashes, tokens, self.block_size, max_blocks, seq.cache_salt
+            rec.hashes, tokens, self.block_size, max_blocks, seq.cache_salt, seq.lora_key
         )
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
@@ -236,7 +237,7 @@ class KVCacheManager:
     def _cache_full_blocks(self, seq: KVSequence, rec: _RequestBlocks, num_full: int) -> None:
         """Register blocks [rec.num_cached_blocks, num_full) of `seq`; each block is hashed once."""
         hashes = extend_block_hashes(
-            rec.hashes, seq.all_token_ids, self.block_size, num_full, seq.cache_salt
+            rec.hashes, seq.all_token_ids, self.block_size, num_full, seq.cache_salt, seq.lora_key
         )
         for i in range(rec.num_cached_blocks, num_full):
             block = rec.blocks[i]

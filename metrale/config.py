@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from metrale.pooling_params import POOLING_TYPES
 from metrale.speculative.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
@@ -53,9 +54,15 @@ class EngineConfig:
     max_engine_restarts: deaths of the engine process survived within 10 minutes; one more is final.
     generation_config: "auto" takes the model's sampling defaults (generation_config.json, a GGUF's
         general.sampling.*) for what a server request leaves unset; "vllm" ignores them (vLLM's flag).
+    pooling: how embedding requests (AsyncEngine.embed) pool the final hidden states: "last" (the last
+        token's: decoder embedding models such as Qwen3-Embedding), "mean" or "cls" (the first token's).
+    matryoshka: the model was trained for Matryoshka truncation, so a request may ask for fewer
+        `dimensions` (refused otherwise, as vLLM refuses it).
+    max_lora_rank: the largest LoRA adapter rank the engine loads (1..512); how many adapters run at once is
+        the scheduler's max_loras.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
-        max_waiting, policy, block_size, enable_prefix_caching); max_model_len None takes the
-        model's context length, capped at 8192, when the engine starts.
+        max_waiting, policy, block_size, enable_prefix_caching, max_loras, max_step_ms, min_prefill_chunk);
+        max_model_len None takes the model's context length, capped at 8192, when the engine starts.
     """
 
     model: str | None = None
@@ -69,6 +76,9 @@ class EngineConfig:
     engine_process: bool = False
     max_engine_restarts: int = 5
     generation_config: str = "auto"
+    pooling: str = "last"
+    matryoshka: bool = False
+    max_lora_rank: int = 64
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -115,5 +125,12 @@ class EngineConfig:
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"EngineConfig.generation_config must be one of {GENERATION_CONFIGS}, "
                              f"got {self.generation_config!r}")
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"EngineConfig.pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
+        if not isinstance(self.matryoshka, bool):
+            raise ValueError(f"EngineConfig.matryoshka must be a bool, got {self.matryoshka!r}")
+        rank = self.max_lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 512:
+            raise ValueError(f"EngineConfig.max_lora_rank must be an int in 1..512, got {rank!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

@@ -16,7 +16,8 @@ from scheduler.errors import (DuplicateRequestError, EmptyPromptError, InvalidPa
 __all__ = [
     "DuplicateRequestError", "EmptyPromptError", "EngineDeadError", "EngineDrainingError", "EngineNotRunningError",
     "EngineRestartingError", "EngineUnavailableError", "InvalidMessagesError", "InvalidParamsError", "InvalidPriorityError",
-    "InvalidPromptError", "InvalidStructuredOutputError", "InvalidTokenIdError", "PromptTooLongError",
+    "InvalidLoraAdapterError", "InvalidPromptError", "InvalidStructuredOutputError", "InvalidTokenIdError",
+    "LoraNotFoundError", "PromptTooLongError",
     "QueueFullError", "RequestFailedError", "RequestRejectedError", "StructuredOutputUnavailableError",
     "TensorParallelError",
 ]
@@ -49,6 +50,22 @@ class StructuredOutputUnavailableError(RequestRejectedError):
 
     code = "structured_output_unavailable"
     field = "structured_outputs"
+
+
+class LoraNotFoundError(RequestRejectedError):
+    """A request names a LoRA adapter the engine has not registered (the server answers 404)."""
+
+    code = "lora_not_found"
+    field = "lora"
+
+
+class InvalidLoraAdapterError(RequestRejectedError):
+    """A LoRA adapter folder that cannot be served on this model (unreadable, another layout, shapes or
+    targets the base model does not have, a rank above max_lora_rank), or a name already registered;
+    the message names the problem."""
+
+    code = "invalid_lora_adapter"
+    field = "lora_path"
 
 
 class EngineUnavailableError(RuntimeError):

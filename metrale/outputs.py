@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import array
 import enum
+import sys
 from collections.abc import Sequence
 
 import msgspec
 
 from scheduler.request import FinishReason
 
-__all__ = ["CompletionResult", "EngineInfo", "EngineState", "EngineStats", "FinishReason", "RequestOutput",
+__all__ = ["CompletionResult", "EmbeddingOutput", "EngineInfo", "EngineState", "EngineStats", "FinishReason", "RequestOutput",
            "TokenLogprob", "Usage"]
 
 
@@ -52,6 +54,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta; None for the first token
     stop_reason: str | int | None = None  # on the last delta: the stop string or stop token id that matched
+    embedding: bytes | None = None  # an embedding request's pooled vector, on its last delta (float32, little-endian)
 
     @property
     def finished(self) -> bool:
@@ -69,6 +72,28 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             self.prompt_logprobs = later.prompt_logprobs
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.embedding is not None:
+            self.embedding = later.embedding
+
+
+class EmbeddingOutput(msgspec.Struct, frozen=True):
+    """One input's embedding: `data` holds its float32 values little-endian (what OpenAI's base64 encodes);
+    `embedding` is them as Python floats."""
+
+    request_id: str
+    data: bytes
+    num_prompt_tokens: int
+
+    @property
+    def embedding(self) -> list[float]:
+        values = array.array("f", self.data)
+        if sys.byteorder != "little":
+            values.byteswap()
+        return values.tolist()
+
+    @property
+    def dimensions(self) -> int:
+        return len(self.data) // 4
 
 
 class Usage(msgspec.Struct, frozen=True):

@@ -7,7 +7,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import (DuplicateRequestError, EmptyPromptError, InvalidParamsError, InvalidPriorityError,
                               InvalidTokenIdError, PromptTooLongError, QueueFullError, RequestRejectedError)
 from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, LoraRef, Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "InvalidParamsError",
     "InvalidPriorityError",
     "InvalidTokenIdError",
+    "LoraRef",
     "PromptTooLongError",
     "QueueFullError",
     "Request",

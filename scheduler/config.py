@@ -29,6 +29,13 @@ class SchedulerConfig:
         policy: "fcfs" (arrival order) or "priority" (lower `priority` first, then arrival).
         block_size: tokens per KV block; must match the KVCacheManager's.
         enable_prefix_caching: must match the KVCacheManager's.
+        max_loras: most distinct LoRA adapters among the running requests (the runner's resident slots;
+            a request for one more waits until one of them has no running request).
+        max_step_ms: a target time for a step that decodes running requests: its prompt chunks are
+            cut to fit it, by a cost model learned from the steps run (scheduler/step_cost.py), so a
+            long prompt does not stall the streams; None: chunks are bounded by tokens only.
+        min_prefill_chunk: prompt tokens the first chunk of a step gets even when the time target
+            leaves less room (prompts always progress).
     """
 
     max_num_seqs: int = 64
@@ -38,6 +45,9 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     block_size: int = 16
     enable_prefix_caching: bool = True
+    max_loras: int = 4
+    max_step_ms: float | None = None
+    min_prefill_chunk: int = 8
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -46,12 +56,18 @@ class SchedulerConfig:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("max_waiting", self.max_waiting, 1)
         _check_int("block_size", self.block_size, 1)
+        _check_int("max_loras", self.max_loras, 1)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running request must be able to decode one token in the same step.
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+        if self.max_step_ms is not None and (
+                isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, (int, float))
+                or not 0 < self.max_step_ms <= 3_600_000):  # also rejects NaN
+            raise ValueError(f"max_step_ms must be None or a number in (0, 3600000], got {self.max_step_ms!r}")
+        _check_int("min_prefill_chunk", self.min_prefill_chunk, 1)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.request import FinishReason
+from scheduler.request import FinishReason, LoraRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,7 @@ class ScheduledRequest:
         num_draft_tokens: draft tokens computed after token_ids (positions start_position +
             len(token_ids) ...), to be verified; the block table covers them too.
         draft_token_ids: those drafts, or () when the runner's proposer makes them.
+        lora: the adapter whose low-rank updates the request's rows add, or None.
     """
 
     request_id: str
@@ -36,6 +37,7 @@ class ScheduledRequest:
     samples: bool
     num_draft_tokens: int = 0
     draft_token_ids: tuple[int, ...] = ()
+    lora: LoraRef | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ import enum
 import operator
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 
 class FinishReason(enum.StrEnum):
@@ -53,6 +54,15 @@ _FINISH_REASONS = {
 _FINISHED_STATUSES = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """The LoRA adapter a request runs with: its name (a model id at the API, and part of the prefix-cache
+    hashes) and the folder the runner loads it from (again after an eviction)."""
+
+    name: str
+    path: str
+
+
 class Request:
     """A request's token ids, its scheduling parameters and its progress.
 
@@ -76,14 +86,15 @@ class Request:
 
     `num_cached_tokens`: prompt tokens found in the prefix cache when the request was first admitted
     (-1 until then; a recompute after preemption does not change it). `skip_reading_prefix_cache`:
-    compute every prompt token (the runner needs their logits, e.g. for prompt logprobs).
+    compute every prompt token (the runner needs their logits, e.g. for prompt logprobs). `lora`: the
+    adapter whose low-rank updates this request's rows add (None: the base model).
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "max_tokens", "eos_token_ids", "stop_token_ids",
         "ignore_eos", "min_tokens", "priority", "arrival_time", "cache_salt",
         "num_computed_tokens", "status", "num_preemptions",
-        "num_cached_tokens", "skip_reading_prefix_cache", "_all_token_ids",
+        "num_cached_tokens", "skip_reading_prefix_cache", "lora", "_all_token_ids",
     )
 
     def __init__(
@@ -100,6 +111,7 @@ class Request:
         cache_salt: str | None = None,
         output_token_ids: Iterable[int] = (),
         skip_reading_prefix_cache: bool = False,
+        lora: LoraRef | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(map(operator.index, prompt_token_ids))
@@ -116,6 +128,7 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hits at the first admission
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.lora = lora
         # prompt + output in one list: all_token_ids is on the per-step path and must be O(1).
         self._all_token_ids = [*self.prompt_token_ids, *map(operator.index, output_token_ids)]
 
@@ -128,6 +141,12 @@ class Request:
     def output_token_ids(self) -> tuple[int, ...]:
         """The generated token ids so far (a copy)."""
         return tuple(self._all_token_ids[len(self.prompt_token_ids) :])
+
+    @property
+    def lora_key(self) -> str | None:
+        """The adapter's identity, its name and folder (None: the base model): the KV manager hashes it into
+        the first block, so a name loaded again from another folder never reads the old adapter's KV."""
+        return f"{self.lora.name}\0{self.lora.path}" if self.lora is not None else None
 
     @property
     def num_tokens(self) -> int:

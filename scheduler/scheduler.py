@@ -31,6 +31,7 @@ from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
 from scheduler.integrity import check_integrity
 from scheduler.queue import WaitingQueue, make_waiting_queue
 from scheduler.samples import collect_samples
+from scheduler.step_cost import OnlineStepCost, StepCostModel, StepTimeBudget, StepWork, attention_pairs
 from scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -49,10 +50,16 @@ class Scheduler:
     cache usually gives its blocks back). That victim is the last of the running list, so it never
     already holds a slot in the step: no blocks are cached for tokens that will not be computed.
     No request is admitted in a step that preempted. A request group (parallel sampling) is admitted
-    when max_num_seqs has room for all of its sequences.
+    when max_num_seqs has room for all of its sequences. At most max_loras distinct LoRA adapters run at
+    once (the runner holds that many): a request for another one waits at the head of the queue.
+
+    Decodes first: a prompt chunk leaves one token of the budget to each running decode after it, and
+    with `max_step_ms` a step that decodes cuts its prompt chunks to fit that time, as `cost_model`
+    estimates it (learned from `observe_step` unless injected): a long prompt does not stall the streams.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 cost_model: StepCostModel | None = None) -> None:
         if kv_cache_manager.block_size != config.block_size:
             raise ValueError(
                 f"block_size: config has {config.block_size}, "
@@ -78,6 +85,8 @@ class Scheduler:
         self._pending_copies: dict[str, list[tuple[int, int]]] = {}  # child id -> its block copies, for the next step
         self._drafts: dict[str, tuple[int, ...] | int] = {}  # for the next schedule() only
         self.num_preemptions = 0  # total over the scheduler's life
+        self._num_schedules = 0  # alternates the probe chunk while the cost model learns
+        self.cost_model: StepCostModel = cost_model if cost_model is not None else OnlineStepCost()
 
     @property
     def num_running(self) -> int:
@@ -145,20 +154,42 @@ class Scheduler:
         num_new: dict[str, int] = {}  # request id -> tokens this step; running first, then admitted
         preempted: list[Request] = []
         drafts, self._drafts = self._drafts, {}
-        budget = self._schedule_running(num_new, preempted, drafts, self.config.max_num_batched_tokens)
+        decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
+        timing = StepTimeBudget(self.cost_model, None if self.config.max_step_ms is None else self.config.max_step_ms / 1e3,
+                                self.config.min_prefill_chunk,
+                                StepWork(len(decodes), sum(r.num_computed_tokens + 1 for r in decodes)),
+                                probe=self._num_schedules % 2 == 1)
+        self._num_schedules += 1
+        budget = self._schedule_running(num_new, preempted, drafts, self.config.max_num_batched_tokens,
+                                        timing, len(decodes))
         drafts = {rid: d for rid, d in drafts.items() if rid in num_new}  # scheduled with them, nobody else
         if not preempted:  # blocks are short: admitting now would only preempt again
-            self._schedule_waiting(num_new, budget)
+            self._schedule_waiting(num_new, budget, timing)
         return self._build_output(num_new, preempted, drafts)
 
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The runner computed `output` in `seconds`: teaches the cost model that `max_step_ms` uses."""
+        work = StepWork()
+        for s in output.scheduled:
+            work = work + StepWork(s.num_tokens, attention_pairs(s.start_position, s.num_tokens), len(s.token_ids) > 1)
+        if work.num_tokens:
+            self.cost_model.observe(work, seconds)
+
     def _schedule_running(self, num_new: dict[str, int], preempted: list[Request],
-                          drafts: dict[str, tuple[int, ...] | int], budget: int) -> int:
-        """Schedule running requests; `drafts` keeps only the drafts of those scheduled with them."""
+                          drafts: dict[str, tuple[int, ...] | int], budget: int,
+                          timing: StepTimeBudget, num_decodes: int) -> int:
+        """Schedule running requests; `drafts` keeps only the drafts of those scheduled with them.
+        A prompt chunk leaves a token to each of the `num_decodes` decodes after it and fits `timing`."""
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:  # nothing left to compute (update() not called for its last step)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            if remaining == 1:
+                num_decodes -= 1
+            elif n > 1:  # a prompt chunk (or a recomputation)
+                n = timing.fit_chunk(req.num_computed_tokens, min(n, budget - num_decodes))
+            if n <= 0:  # nothing left to compute (update() not called for its last step), or no room
                 i += 1
                 continue
             k = self._schedule_drafts(req, n, budget, drafts.get(req.request_id, 0))
@@ -177,6 +208,7 @@ class Scheduler:
                     break
             if scheduled:
                 num_new[req.request_id] = n
+                timing.take_chunk(req.num_computed_tokens, n)
                 budget -= n
                 i += 1
         return budget
@@ -201,16 +233,21 @@ class Scheduler:
         self._waiting.push_preempted(req)
         return req
 
-    def _schedule_waiting(self, num_new: dict[str, int], budget: int) -> None:
+    def _schedule_waiting(self, num_new: dict[str, int], budget: int, timing: StepTimeBudget) -> None:
         kv = self.kv_cache_manager
         seats = len(self._running) + self._forks.num_seats(lambda rid: self._requests[rid].status is _RUNNING)
+        adapters = {r.lora for r in self._running if r.lora is not None}  # the runner's slots hold these
         while self._waiting and budget > 0:
             req = self._waiting.peek()
             group = 1 + self._forks.count(req.request_id)
             if seats + group > self.config.max_num_seqs:
                 break
+            if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras:
+                break  # max_loras adapters run already: the head waits for one of them to finish
             blocks, num_hit = ([], 0) if req.skip_reading_prefix_cache else kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)  # the lookup never covers the whole sequence
+            n = timing.fit_chunk(num_hit, min(req.num_tokens - num_hit, budget))  # the lookup never covers it all
+            if n <= 0:
+                break  # the step's time is spent; the head goes first next step
             got = kv.allocate_slots(req, n, computed_blocks=blocks, num_computed_tokens=num_hit)
             if got is None:
                 break  # the head waits for blocks; nobody overtakes it
@@ -221,8 +258,11 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             bisect.insort(self._running, req, key=self._urgency)  # after equal keys
             num_new[req.request_id] = n
+            timing.take_chunk(num_hit, n)
             budget -= n
             seats += group
+            if req.lora is not None:
+                adapters.add(req.lora)
 
     def _fork_children(self, parent: Request) -> None:
         """Fork the children of `parent`, whose prompt the step being applied has computed."""
@@ -257,6 +297,7 @@ class Scheduler:
                     samples=end == req.num_tokens,
                     num_draft_tokens=k,
                     draft_token_ids=() if isinstance(draft, int) else draft,
+                    lora=req.lora,
                 )
             )
             req.num_computed_tokens = end + k  # drafts rolled back in update()

@@ -27,7 +27,8 @@ FLOORS = {
     "metrale.engine.step": 6,
     "metrale.distributed": 7,
     "metrale.engine": 8,
-    "metrale.server": 9, "metrale.bench": 9, "metrale.cli": 10, "metrale.demo": 9,
+    "metrale.manager": 9,  # several engines, one per resident model: between the server and the engine
+    "metrale.server": 10, "metrale.bench": 10, "metrale.cli": 11, "metrale.demo": 10,
 }
 # What the server may take from the engine room: its typed interface and the stream it returns.
 SERVER_ENGINE_API = ("metrale.engine.protocol", "metrale.engine.stream")
@@ -41,7 +42,8 @@ MLX_FREE = ["scheduler", "kvcache", "kvcache.blocks", "kvcache.hashing", "kvcach
             "metrale.engine.protocol", "metrale.engine.stream", "metrale.server", "metrale.server.app",
             "metrale.server.completions", "metrale.structured_outputs", "metrale.text.tool_parsers",
             "metrale.text.tool_calls", "metrale.text.json_scan", "metrale.server.tools", "metrale.server.structured",
-            "metrale.server.worker_api", "metrale.server.fleet"]
+            "metrale.server.worker_api", "metrale.server.fleet",
+            "metrale.manager.manager", "metrale.server.managed"]
 
 
 def _modules() -> list[tuple[str, Path]]:

@@ -142,6 +142,14 @@ def metrale_serve_command(port: int, *, model: str | None, max_num_seqs: int, ex
     return command + (["--model", model] if model else []) + list(extra)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live descendants of `pid` (`metrale serve` runs its engine in a child process)."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def loaded_cpu_backend(pid: int) -> str | None:
     """Which ggml CPU backend a running llama-server loaded (the file name, e.g. libggml-cpu-zen4.so),
     or None when it cannot be read (a static build links one backend: libggml-cpu.so)."""

@@ -1,13 +1,49 @@
 // Runtime choice of the kernel set (isa.h). The x86 sets need, besides the CPU flags, the OS to save
-// the wider registers; __builtin_cpu_supports checks both (XGETBV) for AVX and AVX-512.
+// the wider registers; __builtin_cpu_supports checks both (XGETBV) for AVX and AVX-512, runs_amx for AMX
+// (which Linux also makes a process ask for).
 #include "isa.h"
 
 #include <atomic>
 #include <stdexcept>
 
+#if defined(__x86_64__) && defined(__linux__) && defined(METRALE_HAVE_AMX)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace metrale {
 
 namespace {
+
+#if defined(__x86_64__) || defined(_M_X64)
+bool runs_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+#if defined(__x86_64__) && defined(__linux__) && defined(METRALE_HAVE_AMX)
+// AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25), the OS saving their state (XCR0 bits 17, 18), and
+// Linux granting this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18:
+// refused by kernels before 5.16 or by policy). Asked once per process; the grant covers every thread.
+bool runs_amx() {
+  static const bool granted = [] {
+    unsigned a, b, c, d;
+    if (!runs_avx512() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    unsigned lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+#endif
 
 struct Entry {
   const char* name;
@@ -24,14 +60,10 @@ const std::vector<Entry>& entries() {
          __builtin_cpu_init();
          return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
        }},
-      {"avx512", kernel_table_avx512,
-       [] {
-         __builtin_cpu_init();
-         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                __builtin_cpu_supports("avx512vnni");
-       }},
+      {"avx512", kernel_table_avx512, runs_avx512},
+#if defined(__linux__) && defined(METRALE_HAVE_AMX)
+      {"avx512_amx", kernel_table_avx512_amx, runs_amx},
+#endif
 #endif
   };
   return all;

@@ -24,7 +24,10 @@ struct DecodeDims {
 // first_position .. first_position + q_len - 1 over its paged context, flash style (key tiles of
 // kPrefillKeys, online softmax), one task per (kv head, tile of kPrefillQueries queries).
 constexpr int kPrefillKeys = 64;
-constexpr int kPrefillQueries = 8;
+constexpr int kPrefillQueries = 16;
+constexpr int kPrefillRowPad = 16;  // a task's rows (queries x rep) are padded to whole 16-float vectors
+
+constexpr int prefill_padded_rows(int rows) { return (rows + kPrefillRowPad - 1) / kPrefillRowPad * kPrefillRowPad; }
 
 struct PrefillDims {
   int q_len, n_heads, n_kv, head_dim, max_blocks, block_size, window, first_position;
@@ -32,10 +35,11 @@ struct PrefillDims {
   float scale;
 };
 
-// floats of scratch one prefill task needs: queries, widened K^T and V tiles, scores, outputs, max, sum
+// floats of scratch one prefill task of `rows` rows needs: queries^T, outputs, widened K and V tiles,
+// scores^T, max, sum, rescale (rows padded: prefill_padded_rows)
 constexpr int64_t prefill_scratch_floats(int rows, int head_dim) {
-  return static_cast<int64_t>(rows) * head_dim * 2 + 2LL * head_dim * kPrefillKeys +
-         static_cast<int64_t>(rows) * kPrefillKeys + 2LL * rows;
+  const int64_t rp = prefill_padded_rows(rows);
+  return rp * head_dim * 2 + 2LL * head_dim * kPrefillKeys + rp * kPrefillKeys + 3 * rp;
 }
 
 // Quantized matmul (qmm_kernel.h). A weight W (N, K) in MLX's affine form, w = q * scale + bias per
@@ -115,6 +119,7 @@ const KernelTable* kernel_table_scalar();
 #if defined(__x86_64__) || defined(_M_X64)
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_avx512_amx();  // avx512 with AMX int8 tiles for qmm_panels (qmm_amx.cpp)
 #endif
 
 }  // namespace metrale

@@ -164,7 +164,8 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     // activations stay in L2 (every panel of the task reads all of them), token blocks outermost so
     // that a thread's consecutive tasks share activations.
     const int64_t act_bytes = static_cast<int64_t>(w.K) * planes;
-    const int64_t block = std::max<int64_t>(8, kActivationBlockBytes / act_bytes / 8 * 8);
+    // (a multiple of 16 tokens: the AMX panels' tile, qmm_amx.cpp)
+    const int64_t block = std::max<int64_t>(16, kActivationBlockBytes / act_bytes / 16 * 16);
     struct Task { int out; int64_t begin, end, t_begin, t_end; };
     std::vector<Task> tasks;
     for (int64_t t0 = 0; t0 < tokens; t0 += block) {

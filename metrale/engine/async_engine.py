@@ -25,15 +25,18 @@ from metrale.engine.core import EngineCore
 from metrale.engine.core_host import LocalCore
 from metrale.engine.engine_client import EngineProcess
 from metrale.engine.ipc import ModelFacts, TokenizerSpec
+from metrale.engine.lora_registry import LoraAdapters
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.runner import ModelRunner
 from metrale.engine.startup import RunnerFactory, TextFrontEnd, default_model_label, read_model_sampling_defaults
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.engine.streams import RequestStreams
-from metrale.engine.submission import Submission, collect_result, counting_rejections, prepares_text
+from metrale.engine.submission import (Submission, collect_embeddings, collect_result, counting_rejections,
+                                       prepares_text)
 from metrale.errors import EngineDeadError, EngineDrainingError, EngineNotRunningError, EngineRestartingError
 from metrale.failpoints import Failpoints
-from metrale.outputs import CompletionResult, EngineInfo, EngineState, EngineStats
+from metrale.outputs import CompletionResult, EmbeddingOutput, EngineInfo, EngineState, EngineStats
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.settings import RuntimeSettings
 from metrale.speculative.proposers import HostProposer
@@ -41,6 +44,7 @@ from metrale.speculative.speculator import Speculator
 from metrale.text.tokenizer import Tokenizer
 from metrale.text.output_parsing import detect_format
 from metrale.text.reasoning import detect_reasoning
+from scheduler import LoraRef
 
 logger = logging.getLogger(__name__)
 WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
@@ -69,6 +73,7 @@ class AsyncEngine:
         self._streams: RequestStreams | None = None  # the text front-end of every open request
         self._facts: ModelFacts | None = None  # set at start
         self._submission: Submission | None = None
+        self._loras: LoraAdapters | None = None  # set at start
         self._sampling_defaults: dict[str, Any] = {}
         self._max_model_len = 0  # resolved at start
         self._info: EngineInfo | None = None  # set at start
@@ -119,6 +124,7 @@ class AsyncEngine:
         text = TextFrontEnd.for_tokenizer(tokenizer, facts.architecture, facts.vocab_size, self._max_model_len,
                                           self._failpoints)
         self._submission = Submission(text, client, facts, self._streams, self._max_model_len, self.abort)
+        self._loras = LoraAdapters(facts, self.config.max_lora_rank)
         if self._failpoints:
             logger.warning("failpoints armed: %s", self._failpoints.points)
         self.metrics.set_info(model=self.model_name, dtype=facts.dtype_name, kv_blocks=str(facts.kv_blocks),
@@ -173,12 +179,13 @@ class AsyncEngine:
     # ---- submission (metrale.engine.submission) ----
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, priority: int = 0) -> RequestStream | GroupStream:
+                 request_id: str | None = None, priority: int = 0, lora: str | None = None) -> RequestStream | GroupStream:
         """Queue a request and return its stream. Raises a RequestRejectedError (bad input, too long,
-        queue full, duplicate id) or an EngineUnavailableError (not running, draining, dead); nothing
-        is queued then."""
+        queue full, duplicate id, an unknown `lora`) or an EngineUnavailableError (not running, draining,
+        dead); nothing is queued then. `lora`: a registered adapter's name (`add_lora`)."""
         with counting_rejections(self.metrics):
-            return self._accepting().generate(prompt, params, request_id, priority)
+            submission = self._accepting()
+            return submission.generate(prompt, params, request_id, priority, self._lora_ref(lora))
 
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """What `generate` would encode for `prompt`, tokenized on a worker thread when the text is long,
@@ -192,11 +199,13 @@ class AsyncEngine:
             return await self._accepting().chat_token_ids(messages, **template_kwargs)
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream | GroupStream:
+             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None,
+             lora: str | None = None) -> RequestStream | GroupStream:
         """Render the model's chat template over messages (and `tools`, given to the template as Hugging
-        Face's apply_chat_template passes them), then `generate` from it."""
+        Face's apply_chat_template passes them), then `generate` from it (with the adapter `lora`)."""
         with counting_rejections(self.metrics):
-            return self._accepting().chat(messages, params, request_id, priority, tools)
+            submission = self._accepting()
+            return submission.chat(messages, params, request_id, priority, tools, self._lora_ref(lora))
 
     async def prepare(self, params: SamplingParams) -> None:
         """Compile what `params` needs before `generate`/`chat` (a structured-output grammar), on the
@@ -211,12 +220,46 @@ class AsyncEngine:
             await self._accepting().prepare(params)
 
     async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None, priority: int = 0) -> CompletionResult:
+                       request_id: str | None = None, priority: int = 0, lora: str | None = None) -> CompletionResult:
         """Run a request to the end and return its whole result (raises RequestFailedError on error).
         One sequence: iterate `generate` for params.n > 1."""
         if params is not None and params.n != 1:
             raise ValueError(f"complete() returns one sequence; n must be 1, got {params.n} (iterate generate())")
-        return await collect_result(self.generate(prompt, params, request_id=request_id, priority=priority))
+        return await collect_result(self.generate(prompt, params, request_id=request_id, priority=priority, lora=lora))
+
+    # ---- LoRA adapters (metrale.engine.lora_registry) ----
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Register the LoRA adapter folder `path` (mlx-lm or PEFT) as `name`, checked against the model;
+        InvalidLoraAdapterError names what is wrong. Its weights load when a request first uses it."""
+        await self._started_loras().add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter (requests running with it finish with it); False if unknown."""
+        return self._started_loras().remove(name)
+
+    def list_loras(self) -> dict[str, str]:
+        """Registered adapter name -> its folder."""
+        return self._started_loras().names()
+
+    def _started_loras(self) -> LoraAdapters:
+        if self._loras is None:
+            raise EngineNotRunningError("engine not started")
+        return self._loras
+
+    def _lora_ref(self, name: str | None) -> LoraRef | None:
+        return None if name is None else self._started_loras().get(name)
+
+    async def embed(self, prompts: Sequence[str | Sequence[int]], params: PoolingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in order: each prompt is computed through the scheduler
+        like any other (batched with the other requests' work, chunked when long), pooled from the final hidden
+        states as EngineConfig.pooling says, then its KV blocks are freed. Raises a RequestRejectedError (too
+        many prompts, an empty or too long one, bad ids, `dimensions` the model does not support, queue full)
+        and queues nothing then; RequestFailedError if one fails. Cancelling the call aborts every prompt."""
+        with counting_rejections(self.metrics):
+            streams = await self._accepting().embed(prompts, params, request_id, priority)
+        return await collect_embeddings(streams)
 
     def abort(self, request_id: str, *, channel: OutputChannel | None = None) -> bool:
         """Abort a request (sync). Its stream ends with finish_reason "abort" at the next step

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from metrale.engine.executor import StepExecutor
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.mlx_thread import MLXThread
+from metrale.engine.pooling import PoolingRow
 from metrale.engine.request_groups import RequestGroups
 from metrale.engine.request_state import RequestState
 from metrale.engine.runner import ModelRunner, PromptLogprobsRow, SamplingRow, StepInput
@@ -35,9 +36,10 @@ from metrale.engine.step import EngineOutput, RowError, RowResult
 from metrale.engine.step_stats import StepStats
 from metrale.errors import EngineDeadError
 from metrale.failpoints import NO_FAILPOINTS, Failpoints, InjectedFault
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Speculator
-from scheduler import FinishReason, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import FinishReason, LoraRef, Request, RequestEvent, RequestStatus, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 FATAL_FAILED_STEPS = 3  # steps in a row in which requests failed and none succeeded
@@ -48,7 +50,8 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, mlx_thread: MLXThread,
                  metrics: EngineMetrics, failpoints: Failpoints = NO_FAILPOINTS,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock` times each step (schedule, forward, outputs) for the scheduler's step cost model (tests inject one)."""
         self.scheduler = scheduler
         self.runner = runner
         self.metrics = metrics
@@ -65,6 +68,7 @@ class EngineCore:
         self._wake = asyncio.Event()
         self._failed_steps_in_a_row = 0
         self._speculator = speculator
+        self._clock = clock
         self._finished_since_step: list[str] = []  # told to the runner with the next step
         self._groups = RequestGroups()  # parallel sampling's sequences
         self.on_outputs: Callable[[list[EngineOutput]], None] | None = None  # the front-end, set by the owner
@@ -85,20 +89,27 @@ class EngineCore:
                           max_tokens=max_tokens, priority=priority)
 
     def submit_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams],
-                     *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0) -> None:
+                     *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int = 0,
+                     lora: LoraRef | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue one sequence per id over the same prompt, each with its params: with several, a request
         group (parallel sampling) whose first sequence computes the prompt and the others fork from it
         (scheduler/forks.py). The group lives and dies together: aborting its first id aborts every
-        sequence, and one sequence's error fails the others. Raises the scheduler's typed rejections
-        and changes nothing then."""
+        sequence, and one sequence's error fails the others. `lora`: the adapter every sequence runs with.
+        Raises the scheduler's typed rejections and changes nothing then. `pooling`: an embedding request
+        (one id): its prompt is computed like any other (reading no prefix cache: every position's hidden
+        state is pooled), then it ends with its vector (EngineOutput.embedding) and its blocks are freed;
+        nothing is sampled."""
+        if pooling is not None and len(request_ids) != 1:
+            raise ValueError(f"an embedding request is one sequence, got {len(request_ids)} ids")
         requests = [Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
             eos_token_ids=eos_token_ids, stop_token_ids=tuple(p.stop_token_ids or ()),
             ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, priority=priority,
-            skip_reading_prefix_cache=p.prompt_logprobs is not None) for request_id, p in zip(request_ids, params)]
+            skip_reading_prefix_cache=p.prompt_logprobs is not None or pooling is not None, lora=lora)
+            for request_id, p in zip(request_ids, params)]
         self.scheduler.add(requests[0], forks=requests[1:])
         for request_id, p in zip(request_ids, params):
-            state = RequestState(request_id, p, len(prompt_token_ids))
+            state = RequestState(request_id, p, len(prompt_token_ids), pooling, max_tokens)
             if len(request_ids) > 1:
                 state.group = (request_ids[0], len(request_ids))
             self.states[request_id] = state
@@ -163,9 +174,11 @@ class EngineCore:
     async def step(self) -> None:
         if not self._schedule_failpoint():
             return
+        timed_from = self._clock()  # the whole step, host work included, teaches max_step_ms's cost model
         if self._speculator is not None:
+            decoding = [r for r in self.scheduler.running if self.states[r.request_id].pooling is None]
             self.scheduler.update_draft_token_ids(
-                self._speculator.propose(self.scheduler.running, lambda request_id: self.states[request_id].params))
+                self._speculator.propose(decoding, lambda request_id: self.states[request_id].params))
         output = self.scheduler.schedule()
         if not output.scheduled:
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_waiting} waiting "
@@ -189,9 +202,13 @@ class EngineCore:
             if state is not None and row.error is not None:  # e.g. its grammar did not compile
                 logger.warning("request %s failed in step %d: %s", row.request_id, self.num_steps, row.error.message)
                 self._finish(row.request_id, FinishReason.ERROR, row.error.exception(row.request_id))
+            elif state is not None and row.embedding is not None:
+                self._finish_pooled(state, row.embedding)
         self._postprocess(output, rows, sampled)
         self.num_steps += 1
         self._flush()
+        if not any(row.error is not None for row in rows.values()):  # a failed step's time says nothing
+            self.scheduler.observe_step(output, self._clock() - timed_from)
 
     def _flush(self) -> None:
         """Hand the outputs gathered so far to `on_outputs` (which may call `finish`, adding more)."""
@@ -221,10 +238,15 @@ class EngineCore:
 
     def _step_input(self, output: SchedulerOutput) -> StepInput:
         """The runner's input: sampling rows, the contexts of drafts it proposes, who ended."""
-        rows, contexts, prompt_rows = [], {}, []
+        rows, contexts, prompt_rows, pooling_rows = [], {}, [], []
         for scheduled in output.scheduled:
             request = self.scheduler.get_request(scheduled.request_id)
-            params = self.states[scheduled.request_id].params
+            state = self.states[scheduled.request_id]
+            params = state.params
+            if state.pooling is not None:  # an embedding request: pooled, never sampled
+                pooling_rows.append(PoolingRow(scheduled.request_id, request.num_prompt_tokens, scheduled.samples,
+                                               state.pooling.normalize, state.pooling.dimensions))
+                continue
             if params.prompt_logprobs is not None and scheduled.start_position < request.num_prompt_tokens - 1:
                 prompt_rows.append(PromptLogprobsRow(scheduled.request_id, params.prompt_logprobs,
                                                      request.prompt_token_ids))
@@ -235,7 +257,7 @@ class EngineCore:
                 rows.append(SamplingRow(scheduled.request_id, params,
                                         request.prompt_token_ids, request.output_token_ids))
         finished, self._finished_since_step = tuple(self._finished_since_step), []
-        return StepInput(output, tuple(rows), contexts, finished, tuple(prompt_rows))
+        return StepInput(output, tuple(rows), contexts, finished, tuple(prompt_rows), tuple(pooling_rows))
 
     def _note_step_time(self, seconds: float) -> None:
         self.mean_step_s = seconds if not self.mean_step_s else 0.9 * self.mean_step_s + 0.1 * seconds
@@ -295,6 +317,14 @@ class EngineCore:
             self._finish(sibling, FinishReason.ERROR,
                          RuntimeError(f"sequence {request_id!r} of this request failed: {error}"),
                          discard_cached=discard_cached)
+
+    def _finish_pooled(self, state: RequestState, embedding: bytes) -> None:
+        """An embedding request's prompt is computed: it ends with its vector, its blocks freed now."""
+        now = time.monotonic()
+        self.scheduler.finish(state.request_id, RequestStatus.FINISHED_STOPPED)
+        self._stats.pooled(state, now)
+        self._outbox.append(state.pooled_output(embedding))
+        self._retire(state, FinishReason.STOP, now)
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:

@@ -22,6 +22,7 @@ from metrale.engine.runner import ModelRunner
 from metrale.engine.startup import Loaded, RunnerFactory, load
 from metrale.failpoints import Failpoints
 from metrale.loading import LoadedModel
+from metrale.models.lora_spec import lora_targets
 from metrale.settings import RuntimeSettings
 from metrale.speculative.speculator import Speculator
 
@@ -86,7 +87,10 @@ class LocalCore:
                           max_position_embeddings=loaded.config.max_position_embeddings,
                           dtype_name=self.runner.dtype_name, kv_blocks=self.runner.kv_cache.num_blocks,
                           kv_slots=self.runner.kv_cache.num_slots,
-                          has_grammar_compiler=self.runner.grammar_compiler is not None)
+                          has_grammar_compiler=self.runner.grammar_compiler is not None,
+                          num_hidden_layers=loaded.config.num_hidden_layers,
+                          lora_targets=lora_targets(loaded.config) if self.runner.lora is not None else {},
+                          hidden_size=loaded.config.hidden_size)
 
     def stats(self, check_integrity: bool = False) -> CoreStats:
         """The core's counters; with `check_integrity` (an idle core) the accounting audit's error, if any."""
@@ -117,9 +121,9 @@ class LocalCore:
         self.core.on_outputs = on_outputs
 
     def submit_group(self, request_ids, prompt_token_ids, params, *, eos_token_ids, max_tokens, priority,
-                     num_open: int) -> None:
+                     num_open: int, lora=None, pooling=None) -> None:
         self.core.submit_group(request_ids, prompt_token_ids, params, eos_token_ids=eos_token_ids,
-                               max_tokens=max_tokens, priority=priority)
+                               max_tokens=max_tokens, priority=priority, lora=lora, pooling=pooling)
 
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)

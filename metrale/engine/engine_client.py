@@ -31,10 +31,11 @@ from metrale.config import EngineConfig
 from metrale.engine import ipc
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.step import EngineOutput, RowError
+from metrale.pooling_params import PoolingParams
 from metrale.errors import (EngineDeadError, EngineRestartingError, InvalidStructuredOutputError, QueueFullError)
 from metrale.sampling_params import SamplingParams
 from metrale.structured_outputs import StructuredOutputs
-from scheduler import FinishReason, Request
+from scheduler import FinishReason, LoraRef, Request
 from scheduler.admission import check_admissible, check_forks
 
 logger = logging.getLogger(__name__)
@@ -238,17 +239,20 @@ class EngineProcess:
         self._proc.stdin.write(ipc.frame(message))
 
     def submit_group(self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams],
-                     *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int, num_open: int) -> None:
-        """Check what the child's scheduler would refuse (its typed rejections, raised here), then send."""
+                     *, eos_token_ids: tuple[int, ...], max_tokens: int, priority: int, num_open: int,
+                     lora: LoraRef | None = None, pooling: PoolingParams | None = None) -> None:
+        """Check what the child's scheduler would refuse (its typed rejections, raised here), then send.
+        `pooling`: an embedding request (one id), pooled instead of sampled."""
         requests = [Request(rid, prompt_token_ids, max_tokens=max_tokens, eos_token_ids=eos_token_ids,
-                            min_tokens=p.min_tokens, priority=priority) for rid, p in zip(request_ids, params)]
+                            min_tokens=p.min_tokens, priority=priority, lora=lora) for rid, p in zip(request_ids, params)]
         for request in requests:
             check_admissible(request, self._scheduler_config, self._kv_shadow)
         check_forks(requests[0], requests[1:], self._scheduler_config)
         if num_open - self.stats.running >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests); "
                                  f"request {request_ids[0]!r} rejected")
-        self._send(ipc.Add(list(request_ids), prompt_token_ids, list(params), eos_token_ids, max_tokens, priority))
+        self._send(ipc.Add(list(request_ids), prompt_token_ids, list(params), eos_token_ids, max_tokens, priority,
+                           lora, pooling))
 
     def abort(self, request_id: str) -> bool:
         """Hand the abort to the child: True means only that it was sent (as from another thread in-process)."""

@@ -108,7 +108,7 @@ class EngineServer:
             try:
                 core.submit_group(message.request_ids, message.prompt_token_ids, message.params,
                                   eos_token_ids=message.eos_token_ids, max_tokens=message.max_tokens,
-                                  priority=message.priority)
+                                  priority=message.priority, lora=message.lora, pooling=message.pooling)
             except (RequestRejectedError, ValueError, TypeError) as error:  # the front-end checked; a race
                 self.send_outputs([EngineOutput(rid, finish_reason=FinishReason.ERROR, error=RowError.of(error))
                                    for rid in message.request_ids])

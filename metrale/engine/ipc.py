@@ -19,10 +19,11 @@ import msgspec
 
 from metrale.engine.metrics import FinishedRequestStats, IterationStats
 from metrale.engine.step import EngineOutput, RowError
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.speculative.speculator import Verification
 from metrale.structured_outputs import StructuredOutputs
-from scheduler import FinishReason
+from scheduler import FinishReason, LoraRef
 
 HEADER = struct.Struct("<I")  # body length
 MAX_FRAME_BYTES = 1 << 30
@@ -50,6 +51,9 @@ class ModelFacts(msgspec.Struct, frozen=True):
     kv_blocks: int
     kv_slots: int
     has_grammar_compiler: bool
+    num_hidden_layers: int = 0
+    lora_targets: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)  # {}: no LoRA support
+    hidden_size: int = 0  # the width of an embedding before any Matryoshka truncation
 
 
 class CoreStats(msgspec.Struct, frozen=True, array_like=True):
@@ -92,6 +96,8 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     eos_token_ids: tuple[int, ...]
     max_tokens: int
     priority: int = 0
+    lora: LoraRef | None = None
+    pooling: PoolingParams | None = None  # an embedding request (metrale.engine.pooling)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -33,7 +33,8 @@ from metrale.engine.async_engine import AsyncEngine, collect_result
 from metrale.engine.startup import RunnerFactory
 from metrale.engine.stream import RequestStream
 from metrale.errors import EngineNotRunningError, RequestFailedError
-from metrale.outputs import CompletionResult, EngineStats, RequestOutput
+from metrale.outputs import CompletionResult, EmbeddingOutput, EngineStats, RequestOutput
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from metrale.settings import RuntimeSettings
 from metrale.text.tokenizer import Tokenizer
@@ -70,9 +71,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 progress: bool = False) -> list[CompletionResult]:
+                 progress: bool = False, lora: str | Sequence[str | None] | None = None) -> list[CompletionResult]:
         """Run one prompt or a list of prompts (text or token ids) to the end, batched together;
         the results come back in the prompts' order.
+
+        lora: a registered LoRA adapter's name (`add_lora`) for every prompt, or a list with one name (or
+        None: the base model) per prompt; prompts with different adapters run in the same batch.
 
         params: one SamplingParams for all, or a list with one per prompt. All or nothing: if a prompt
         is rejected, its typed RequestRejectedError is raised and the others are aborted (when the
@@ -80,19 +84,26 @@ class LLM:
         raises RequestFailedError and aborts the others too. A list longer than the room in the
         waiting queue (`max_waiting`) is queued in waves. progress: a line on stderr as requests end."""
         prompts = _as_list(prompts, single=lambda p: isinstance(p, str) or _is_token_ids(p))
-        submits = [functools.partial(self._engine.generate, p, sp)
-                   for p, sp in zip(prompts, _per_prompt(params, prompts))]
+        submits = [functools.partial(self._engine.generate, p, sp, lora=adapter)
+                   for p, sp, adapter in zip(prompts, _per_prompt(params, prompts), _adapters(lora, prompts))]
         return self._call(self._run_batch, submits, progress)
 
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             progress: bool = False) -> list[CompletionResult]:
+             progress: bool = False, lora: str | Sequence[str | None] | None = None) -> list[CompletionResult]:
         """`generate` over one conversation (a list of {"role", "content"} messages) or a list of
-        conversations, each rendered with the model's chat template."""
+        conversations, each rendered with the model's chat template (`lora` as `generate` takes it)."""
         conversations = _as_list(messages, single=lambda m: not m or isinstance(m[0], Mapping))
-        submits = [functools.partial(self._engine.chat, m, sp)
-                   for m, sp in zip(conversations, _per_prompt(params, conversations))]
+        submits = [functools.partial(self._engine.chat, m, sp, lora=adapter)
+                   for m, sp, adapter in zip(conversations, _per_prompt(params, conversations),
+                                             _adapters(lora, conversations))]
         return self._call(self._run_batch, submits, progress)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in order, batched together (AsyncEngine.embed: at most
+        MAX_EMBED_INPUTS prompts; a rejection queues nothing)."""
+        prompts = _as_list(prompts, single=lambda p: isinstance(p, str) or _is_token_ids(p))
+        return self._call(self._engine.embed, prompts, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> "CompletionStream":
         """Queue one request now (a rejection raises here) and return a plain iterator of its
@@ -144,6 +155,16 @@ class LLM:
             if not pending:
                 return
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+    # ---- LoRA adapters ----
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register a LoRA adapter folder (mlx-lm or PEFT) as `name` (InvalidLoraAdapterError if it does not fit)."""
+        self._call(self._engine.add_lora, name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter; False if unknown."""
+        return self._call(_on_loop, self._engine.remove_lora, name)
 
     # ---- introspection ----
 
@@ -351,6 +372,15 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, prompt
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
     return [_one_sequence(p) for p in params]
+
+
+def _adapters(lora: str | Sequence[str | None] | None, prompts: list[Any]) -> list[str | None]:
+    if lora is None or isinstance(lora, str):
+        return [lora] * len(prompts)
+    adapters = list(lora)
+    if len(adapters) != len(prompts):
+        raise ValueError(f"got {len(adapters)} LoRA names for {len(prompts)} prompts; give one, or one per prompt")
+    return adapters
 
 
 def _one_sequence(params: SamplingParams | None) -> SamplingParams | None:

@@ -82,7 +82,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     inference_time_s: float = 0.0  # first scheduled -> last token (preemptions included)
     num_preemptions: int = 0
-    max_tokens_param: int | None = None  # the request's max_tokens, None when it set none
+    max_tokens_param: int | None = None  # the effective max_tokens (set or chosen); None: not observed
     params_n: int | None = None  # on the last sequence of a request to end: its n (vLLM's parent request)
     max_num_generation_tokens: int | None = None  # with params_n: the longest of its sequences, in tokens
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from metrale.engine.stream import GroupStream, RequestStream
-from metrale.outputs import EngineInfo, EngineState, EngineStats
+from metrale.outputs import EmbeddingOutput, EngineInfo, EngineState, EngineStats
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 
 
@@ -59,12 +60,27 @@ class EngineClient(Protocol):
         EngineNotRunningError before start."""
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, priority: int = 0) -> RequestStream | GroupStream:
-        """Queue a request and return its stream; raises a typed rejection (metrale.errors)."""
+                 request_id: str | None = None, priority: int = 0, lora: str | None = None) -> RequestStream | GroupStream:
+        """Queue a request (with the registered LoRA adapter `lora`, None: the base model) and return its
+        stream; raises a typed rejection (metrale.errors; LoraNotFoundError for an unknown adapter)."""
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None) -> RequestStream | GroupStream:
+             request_id: str | None = None, priority: int = 0, tools: Sequence[Any] | None = None,
+             lora: str | None = None) -> RequestStream | GroupStream:
         """`generate` over the model's chat template rendered for `messages` (and `tools`)."""
+
+    async def embed(self, prompts: Sequence[str | Sequence[int]], params: PoolingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in order (pooled from the final hidden states, through the scheduler);
+        raises a typed rejection and queues nothing on bad input; cancelling aborts every prompt."""
+    async def add_lora(self, name: str, path: str) -> None:
+        """Register a LoRA adapter folder as `name`; InvalidLoraAdapterError names what does not fit."""
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister a LoRA adapter; False if unknown."""
+
+    def list_loras(self) -> dict[str, str]:
+        """Registered LoRA adapter name -> its folder."""
 
     async def prepare(self, params: SamplingParams) -> None:
         """Compile what `params` needs (a structured-output grammar) off the event loop, before submitting;

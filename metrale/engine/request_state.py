@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from metrale.engine.step import EngineOutput, RowError
 from metrale.outputs import TokenLogprob
+from metrale.pooling_params import PoolingParams
 from metrale.sampling_params import SamplingParams
 from scheduler import FinishReason
 
@@ -30,11 +31,14 @@ class RequestState:
     """One request's counts, timings and prompt logprobs, turned into EngineOutputs."""
 
     __slots__ = ("request_id", "params", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "times",
-                 "num_preemptions", "group", "_prompt_logprobs")
+                 "num_preemptions", "group", "pooling", "max_tokens", "_prompt_logprobs")
 
-    def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, num_prompt_tokens: int,
+                 pooling: PoolingParams | None = None, max_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.params = params
+        self.max_tokens = max_tokens  # the effective limit (params.max_tokens, or what the engine chose)
+        self.pooling = pooling  # an embedding request: pooled after its prompt, never sampled
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served, known when first scheduled
@@ -58,6 +62,11 @@ class RequestState:
                               self._prompt_logprobs, self.num_cached_tokens)
         self._prompt_logprobs = None  # the prompt is computed once a token is sampled: sent once, here
         return output
+
+    def pooled_output(self, embedding: bytes) -> EngineOutput:
+        """The last output of an embedding request: its vector, finish_reason "stop"."""
+        return EngineOutput(self.request_id, (), FinishReason.STOP, num_cached_tokens=self.num_cached_tokens,
+                            embedding=embedding)
 
     def final_output(self, finish_reason: FinishReason, error: BaseException | None = None) -> EngineOutput:
         """The last output of a request ended outside a step's tokens (abort, error)."""

@@ -5,6 +5,7 @@ plain Python goes out (one token id per sampling request):
 
     SchedulerOutput --AttentionMetadata.build--> token_ids (T,) positions (T,) slot_mapping (T,) ...
         model(token_ids, positions, kv_cache, metadata) -> hidden (T, D)
+        pooler.plan(hidden, ...)         embedding requests' rows pooled (metrale.engine.pooling), never sampled
         logits = model.compute_logits(hidden[sample_index])                     (S', V)
         mx.async_eval(logits, pools)     the forward and this step's K/V writes start together
         constraints.prepare(rows)        meanwhile on the host: grammar / allowed-token bitmask
@@ -17,6 +18,7 @@ dropped when StepInput.finished_request_ids names their request), nothing of the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -26,9 +28,12 @@ from kernels.runtime import mx
 from kernels.settings import KernelSettings
 from kvcache.storage import PagedKVCache
 from metrale.config import EngineConfig
+from metrale.engine.lora_slots import LoraSlots
+from metrale.engine.pooling import Pooler, PoolingRow
 from metrale.engine.step import ForwardInput, PromptLogprobs, RowError, RowResult
 from metrale.failpoints import NO_FAILPOINTS, Failpoints
 from metrale.loading import LoadedModel, load_model
+from metrale.models.lora_spec import lora_targets
 from metrale.outputs import TokenLogprob
 from metrale.sampling.constraints import TokenConstraints
 from metrale.sampling.guided import GrammarCompiler
@@ -81,6 +86,7 @@ class StepInput:
     draft_contexts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     finished_request_ids: tuple[str, ...] = ()
     prompt_logprobs: tuple[PromptLogprobsRow, ...] = ()  # only requests that asked; no other row is computed
+    pooling_rows: tuple[PoolingRow, ...] = ()  # embedding requests: pooled, never sampled (metrale.engine.pooling)
 
     def for_group(self, group: tuple[ScheduledRequest, ...]) -> "StepInput":
         """The same step restricted to `group` (a sub-batch when a failed step is split)."""
@@ -90,7 +96,8 @@ class StepInput:
         sub = SchedulerOutput(group, sum(s.num_tokens for s in group), (), self.scheduler_output.block_size, copies)
         return StepInput(sub, tuple(r for r in self.sampling_rows if r.request_id in ids),
                          {rid: ctx for rid, ctx in self.draft_contexts.items() if rid in ids},
-                         self.finished_request_ids, tuple(r for r in self.prompt_logprobs if r.request_id in ids))
+                         self.finished_request_ids, tuple(r for r in self.prompt_logprobs if r.request_id in ids),
+                         tuple(r for r in self.pooling_rows if r.request_id in ids))
 
 
 def _bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: mx.Dtype) -> int:
@@ -140,9 +147,12 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, kv_cache: PagedKVCache, seed: int, backends: Backends,
                  failpoints: Failpoints = NO_FAILPOINTS, drafter: RunnerProposer | None = None,
-                 grammar_compiler: GrammarCompiler | None = None, group: TensorParallelGroup | None = None) -> None:
+                 grammar_compiler: GrammarCompiler | None = None, group: TensorParallelGroup | None = None,
+                 lora: LoraSlots | None = None, *, pooling: str = "last") -> None:
         """`group`: rank 0's tensor-parallel group when the model is sharded (every step is sent to
-        the other ranks, which run the same forward; only this rank samples)."""
+        the other ranks, which run the same forward; only this rank samples). `lora`: the resident LoRA
+        adapters, when the model's family has LoRA support (None: a request with an adapter fails).
+        `pooling`: how embedding requests are pooled (EngineConfig.pooling)."""
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_name = loaded.path.stem
@@ -156,6 +166,8 @@ class ModelRunner:
         self.grammar_compiler = grammar_compiler  # shared with the engine, which compiles ahead of submit
         self.constraints = TokenConstraints(self.model_config.vocab_size, grammar_compiler)
         self.group = group
+        self.lora = lora
+        self.pooler = Pooler(pooling)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig, failpoints: Failpoints = NO_FAILPOINTS,
@@ -188,7 +200,11 @@ class ModelRunner:
                                        dc.head_dim, kv_dtype)
             drafter = DraftModelProposer(draft.model, draft_cache, backends.attention)
             logger.info("speculating with draft model %s (%d layers)", draft.path.name, dc.num_hidden_layers)
-        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter, grammar_compiler_for(loaded), group)
+        lora = None
+        if group is None and lora_targets(mc):  # no LoRA under tensor parallelism (the bank is not sharded)
+            lora = LoraSlots(loaded.model, mc, config.max_loras, config.max_lora_rank, loaded.dtype)
+        return cls(loaded, kv_cache, config.seed, backends, failpoints, drafter, grammar_compiler_for(loaded), group,
+                   lora, pooling=config.pooling)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "ModelRunner":
@@ -206,6 +222,7 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> list[RowResult]:
         self.constraints.forget(step.finished_request_ids)
+        self.pooler.forget(step.finished_request_ids)
         scheduled = step.scheduler_output.scheduled
         if self.failpoints:
             self.failpoints.check_any("execute", [s.request_id for s in scheduled])
@@ -222,23 +239,26 @@ class ModelRunner:
             block_copies=tuple(step.scheduler_output.block_copies))
         if self.group is not None:
             self.group.send_forward(forward)  # the other ranks run it with this one
-        hidden = forward.run(self.model, self.kv_cache, self.backends.attention)  # (T, D)
+        with self._lora_step(step):
+            hidden = forward.run(self.model, self.kv_cache, self.backends.attention)  # (T, D)
+        pooled = self.pooler.plan(hidden, scheduled, step.pooling_rows)  # embedding requests' rows, never sampled
+        pooling_ids = {r.request_id for r in step.pooling_rows}
         sample_rows, verify_rows, row = [], [], 0
         for s in scheduled:
             row += s.num_tokens
             if s.num_draft_tokens:  # the last known token's row and each draft's
                 verify_rows.extend(range(row - s.num_draft_tokens - 1, row))
-            elif s.samples:
+            elif s.samples and s.request_id not in pooling_ids:
                 sample_rows.append(row - 1)
         prompt = PromptRows.plan(scheduled, step.prompt_logprobs)
-        if not sample_rows and not verify_rows and not prompt.rows:  # prompt chunks only: just fill the pools
-            mx.eval(self._pools())
+        if not sample_rows and not verify_rows and not prompt.rows:  # prompt chunks only: fill the pools, pool
+            mx.eval(self._pools(), pooled.arrays)
             self._forward_launched()
-            return []
+            return pooled.commit()
         num_sampled = len(sample_rows) + len(verify_rows)
         rows = mx.array(sample_rows + verify_rows + prompt.rows, dtype=mx.int32)
         logits = self.model.compute_logits(hidden[rows])  # (S' + sum(k + 1) + prompt rows, V)
-        mx.async_eval(logits, self._pools())  # the forward and this step's K/V writes, in one evaluation
+        mx.async_eval(logits, self._pools(), pooled.arrays)  # the forward, this step's K/V writes and pooling
         self._forward_launched()
         prompt_logprobs = prompt.logprobs(logits[num_sampled:]) if prompt.rows else {}
         rows: list[RowResult] = []
@@ -251,7 +271,7 @@ class ModelRunner:
             rows += [RowResult(s.request_id, tuple(run)) for s, run in zip(speculating, runs)]
         rows += [RowResult(request_id, prompt_logprobs=PromptLogprobs(first, logprobs))
                  for request_id, (first, logprobs) in prompt_logprobs.items()]  # prompt chunks that sample nothing
-        return rows
+        return rows + pooled.commit()
 
     def _sample(self, step: StepInput, logits: mx.array,
                 prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]]) -> list[RowResult]:
@@ -273,6 +293,16 @@ class ModelRunner:
                                   PromptLogprobs(*prompt) if prompt is not None else None,
                                   request_id in outcome.finished, RowError.of(error) if error is not None else None))
         return rows
+
+    def _lora_step(self, step: StepInput):
+        """Each token's LoRA slot set on the model while the forward's graph is built (metrale.engine.lora_slots)."""
+        scheduled = step.scheduler_output.scheduled
+        if self.lora is None:
+            if any(s.lora is not None for s in scheduled):
+                raise ValueError(f"this model ({self.model_config.architecture}) runs no LoRA adapters")
+            return contextlib.nullcontext()
+        self.lora.forget((*step.finished_request_ids, *step.scheduler_output.preempted_request_ids))
+        return self.lora.step(scheduled)
 
     def close(self) -> None:
         """Stop the grammar compiler's thread (the engine calls this at shutdown)."""

@@ -16,7 +16,8 @@ the weights and its own kv heads' paged pools.
 
 A RowResult holds one request's share of a step: its sampled tokens (one, or for a speculating request
 the accepted drafts then the target's own token), the logprob of a sampled token, the prompt logprobs
-of the chunk it computed, whether its constraint is complete (it ends with "stop"), or its error. Only
+of the chunk it computed, whether its constraint is complete (it ends with "stop"), its error, or for an
+embedding request after its last prompt chunk its pooled vector (metrale.engine.pooling). Only
 requests with something to report have one: a prompt chunk that samples nothing and asked for no prompt
 logprobs gets none.
 """
@@ -104,6 +105,7 @@ class RowResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
     prompt_logprobs: PromptLogprobs | None = None
     stopped: bool = False  # its constraint is complete: it ends with "stop" after this token
     error: RowError | None = None
+    embedding: bytes | None = None  # an embedding request's pooled vector after its last chunk (float32, LE)
 
 
 class EngineOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -125,6 +127,7 @@ class EngineOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     error: RowError | None = None
+    embedding: bytes | None = None  # an embedding request's pooled vector, on its final output (float32, LE)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -61,6 +61,15 @@ class StepStats:
             self._itls.append(now - times.last_token)
         times.last_token = now
 
+    def pooled(self, state: RequestState, now: float) -> None:
+        """An embedding request's prompt is computed: its whole prompt counted, as a first token's would be
+        (no time to first token: it has none)."""
+        times = state.times
+        if times.first_token is None:
+            times.first_token = times.last_token = now
+            self._num_prompt_tokens += state.num_prompt_tokens
+            self._num_cached_prompt_tokens += min(state.num_cached_tokens, state.num_prompt_tokens)
+
     def end(self, output: SchedulerOutput) -> None:
         kv = self._scheduler.kv_cache_manager
         self.peak_kv_usage = max(self.peak_kv_usage, kv.usage)
@@ -97,7 +106,7 @@ class StepStats:
             num_generation_tokens=state.num_output_tokens,
             inference_time_s=(times.last_token - scheduled) if first is not None and scheduled is not None else 0.0,
             num_preemptions=state.num_preemptions,
-            max_tokens_param=state.params.max_tokens,
+            max_tokens_param=state.max_tokens if state.pooling is None else None,  # vLLM: sampling requests only
             params_n=params_n,
             max_num_generation_tokens=longest,
         ))

@@ -104,7 +104,8 @@ class RequestStreams:
         delta = RequestOutput(request_id=request_id, token_ids=list(token_ids), text=text,
                               finish_reason=finish_reason, num_prompt_tokens=entry.num_prompt_tokens,
                               num_output_tokens=entry.num_output_tokens, logprobs=logprobs,
-                              num_cached_tokens=entry.num_cached_tokens, prompt_logprobs=output.prompt_logprobs)
+                              num_cached_tokens=entry.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
+                              embedding=output.embedding)
         self._failpoints.check("deliver", request_id)
         entry.channel.put(delta)
         if finish_reason is not None:

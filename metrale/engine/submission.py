@@ -20,11 +20,13 @@ from metrale.engine.startup import TextFrontEnd
 from metrale.engine.stream import GroupStream, OutputChannel, RequestStream
 from metrale.engine.streams import RequestStreams
 from metrale.errors import (DuplicateRequestError, EngineUnavailableError, InvalidParamsError, PromptTooLongError,
-                            RequestRejectedError,
+                            RequestFailedError, RequestRejectedError,
                             StructuredOutputUnavailableError)
-from metrale.outputs import CompletionResult
+from metrale.outputs import CompletionResult, EmbeddingOutput
+from metrale.pooling_params import MAX_EMBED_INPUTS, PoolingParams
 from metrale.sampling.guided import require_llguidance
 from metrale.sampling_params import SamplingParams
+from scheduler import LoraRef
 
 OFF_LOOP_PROMPT_CHARS = 16 * 1024  # longer prompts are tokenized on a worker thread (async paths)
 OFF_LOOP_TEXT_PARAMS_CHARS = 256  # more bad words / stop strings are prepared on that thread (prepare)
@@ -63,14 +65,14 @@ class Submission:
         self._tokenize_thread: ThreadPoolExecutor | None = None
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None,
-                 priority: int) -> RequestStream | GroupStream:
+                 priority: int, lora: LoraRef | None = None) -> RequestStream | GroupStream:
         params = self._request_params(params)
-        return self.submit(self.inputs.prompt_ids(prompt), params, request_id, priority)
+        return self.submit(self.inputs.prompt_ids(prompt), params, request_id, priority, lora)
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None, request_id: str | None,
-             priority: int, tools: Sequence[Any] | None) -> RequestStream | GroupStream:
+             priority: int, tools: Sequence[Any] | None, lora: LoraRef | None = None) -> RequestStream | GroupStream:
         params = self._request_params(params)
-        return self.submit(self.inputs.chat_ids(messages, tools=tools), params, request_id, priority)
+        return self.submit(self.inputs.chat_ids(messages, tools=tools), params, request_id, priority, lora)
 
     async def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
@@ -91,6 +93,68 @@ class Submission:
         if params.structured_outputs is not None:
             self._check_grammars()
             await self._client.compile(params.structured_outputs)
+
+    async def embed(self, prompts: Sequence[str | Sequence[int]], params: PoolingParams | None, request_id: str | None,
+                    priority: int) -> list[RequestStream]:
+        """Queue one embedding request per prompt (ids `request_id-i`) and return their streams. Everything is
+        checked first (count, dimensions, tokens, lengths) so that a bad input queues nothing; a refusal while
+        queueing (the waiting queue is full) aborts the ones queued before any step computed them."""
+        params = self._pooling_params(params, len(prompts))
+        limit = self._max_model_len - 1  # the scheduler holds room for one token after the prompt
+        if sum(len(p) for p in prompts if isinstance(p, str)) > OFF_LOOP_PROMPT_CHARS:  # many or long texts
+            encoded = await self._off_loop(lambda: [self.inputs.prompt_ids(p) for p in prompts])
+        else:
+            encoded = [self.inputs.prompt_ids(p) for p in prompts]
+        ids = [_truncated(prompt_ids, params.truncate_prompt_tokens, limit) for prompt_ids in encoded]
+        too_long = [(i, len(p)) for i, p in enumerate(ids) if len(p) > limit]
+        if too_long:
+            index, length = too_long[0]
+            raise PromptTooLongError(f"input {index} is too large: {length} tokens; an embedding input may have at "
+                                     f"most {limit} (max_model_len {self._max_model_len} - 1); set "
+                                     f"truncate_prompt_tokens to keep its last tokens")
+        base = request_id if request_id is not None else f"embd-{next(self._ids)}"
+        streams: list[RequestStream] = []
+        try:
+            for index, prompt_ids in enumerate(ids):
+                streams.append(self._submit_pooled(f"{base}-{index}", prompt_ids, params, priority))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()  # aborted before any step computed it
+            raise
+        return streams
+
+    def _pooling_params(self, params: PoolingParams | None, num_prompts: int) -> PoolingParams:
+        if params is None:
+            params = PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"params must be PoolingParams, got {type(params).__name__}")
+        limit = min(MAX_EMBED_INPUTS, self._client.config.max_waiting)  # each input waits as one request
+        if not 1 <= num_prompts <= limit:
+            raise InvalidParamsError(f"input must hold 1 to {limit} inputs (the most the waiting queue holds, "
+                                     f"max_waiting {self._client.config.max_waiting}), got {num_prompts}"
+                                     if limit < MAX_EMBED_INPUTS else
+                                     f"input must hold 1 to {limit} inputs, got {num_prompts}", field="input")
+        if params.dimensions is not None:
+            if not self._client.config.matryoshka:
+                raise InvalidParamsError(f"model {self._facts.model_name!r} does not support matryoshka "
+                                         f"representation; changing output dimensions would give poor results "
+                                         f"(start the engine with matryoshka=True if it was trained for it)",
+                                         field="dimensions")
+            if params.dimensions > self._facts.hidden_size:
+                raise InvalidParamsError(f"dimensions must be at most the model's hidden size "
+                                         f"({self._facts.hidden_size}), got {params.dimensions}", field="dimensions")
+        return params
+
+    def _submit_pooled(self, request_id: str, prompt_ids: list[int], params: PoolingParams,
+                       priority: int) -> RequestStream:
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request {request_id!r} is already in flight")
+        sampling = SamplingParams(max_tokens=1)
+        text = self._outputs.new_request(prompt_ids, sampling, request_id)
+        self._client.submit_group([request_id], prompt_ids, [sampling], priority=priority, eos_token_ids=(),
+                                  max_tokens=1, num_open=len(self._streams), pooling=params)
+        channel = self._streams.open([request_id], [text], len(prompt_ids))[0]
+        return RequestStream(channel, functools.partial(self._abort, channel=channel))
 
     def _check_grammars(self) -> None:
         require_llguidance()
@@ -119,9 +183,10 @@ class Submission:
         return params
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-               priority: int) -> RequestStream | GroupStream:
+               priority: int, lora: LoraRef | None = None) -> RequestStream | GroupStream:
         """One sequence (a RequestStream), or params.n sequences sharing the prompt (a GroupStream whose
-        deltas carry their sequence's index; sequence i is request `request_id#i`, 0 is `request_id`)."""
+        deltas carry their sequence's index; sequence i is request `request_id#i`, 0 is `request_id`),
+        with the LoRA adapter `lora` (None: the base model)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         max_tokens = self._max_tokens(params, len(prompt_ids))
         eos = self.inputs.tokenizer.eos_token_ids
@@ -135,7 +200,7 @@ class Submission:
                 raise DuplicateRequestError(f"request {rid!r} is already in flight")
         texts = [self._outputs.new_request(prompt_ids, p, rid) for rid, p in zip(ids, sequences)]
         self._client.submit_group(ids, prompt_ids, sequences, priority=priority, eos_token_ids=eos,
-                                  max_tokens=max_tokens, num_open=len(self._streams))
+                                  max_tokens=max_tokens, num_open=len(self._streams), lora=lora)
         channels = self._streams.open(ids, texts, len(prompt_ids))
         if params.n == 1:
             return RequestStream(channels[0], functools.partial(self._abort, channel=channels[0]))
@@ -159,6 +224,32 @@ async def collect_result(stream: RequestStream) -> CompletionResult:
     async with stream:
         outputs = [out async for out in stream]
     return CompletionResult.from_outputs(stream.request_id, outputs)
+
+
+async def collect_embeddings(streams: Sequence[RequestStream]) -> list[EmbeddingOutput]:
+    """Each stream's vector, in order. Leaving early (a failed input, a cancel) aborts every one still open."""
+    results = []
+    try:
+        for stream in streams:
+            last = None
+            async for out in stream:
+                last = out
+            if last is None or last.embedding is None:
+                raise RequestFailedError(stream.request_id, f"ended ({last.finish_reason if last else 'abort'}) "
+                                                            f"without its embedding")
+            results.append(EmbeddingOutput(stream.request_id, last.embedding, last.num_prompt_tokens))
+    finally:
+        for stream in streams:
+            await stream.aclose()  # a no-op for the ones that ended
+    return results
+
+
+def _truncated(ids: list[int], truncate: int | None, max_len: int) -> list[int]:
+    """The last `truncate` ids (-1: the most an input may hold), or all of them when `truncate` is None."""
+    if truncate is None:
+        return ids
+    keep = max_len if truncate == -1 else truncate
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def _abort_channel(abort: Abort) -> Callable[[OutputChannel], bool]:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from metrale.engine.protocol import EngineClient
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
 from metrale.server import anthropic_protocol as ap
 from metrale.server import chat_output, completions, protocol
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError
+from metrale.server.resolve import ModelResolver
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -46,22 +46,23 @@ def error_body(error: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": error.message}}
 
 
-async def handle(engine: EngineClient, served_model: str, path: str, body: bytes, send: Send, receive: Receive, *,
+async def handle(models: ModelResolver, path: str, body: bytes, send: Send, receive: Receive, *,
                  request_id: str | None = None, tool_call_format: str | None = None,
-                 model_aliases: tuple[str, ...] = (), reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None) -> None:
     """Serve one Messages API request; anything refused before the response is an Anthropic error body.
     `reasoning_parser`: the server's --reasoning-parser (None: what the chat template shows)."""
     try:
         if path == COUNT_TOKENS_PATH:
-            return await _count_tokens(engine, served_model, body, send, model_aliases)
+            return await _count_tokens(models, body, send)
         request = protocol.decode(body, ap.MessagesRequest)
-        call, stream = await completions.open_stream(engine, served_model, ap.to_chat_request(request),
-                                                     default_max_tokens=None, request_id=request_id,
-                                                     tool_call_format=tool_call_format, model_aliases=model_aliases,
+        chat = ap.to_chat_request(request)
+        target = await models.resolve(chat.model)
+        call, stream = await completions.open_stream(target, chat, default_max_tokens=None, request_id=request_id,
+                                                     tool_call_format=tool_call_format,
                                                      reasoning_parser=reasoning_parser or "auto")
     except APIError as error:
         if error.reject_reason is not None:
-            engine.record_rejected(error.reject_reason)
+            models.record_rejected(error.reject_reason)
         return await send_json(send, error.status, error_body(error), error.headers)
     message = _Message(call, request)
     respond = _stream_response if request.stream else _full_response
@@ -71,12 +72,11 @@ async def handle(engine: EngineClient, served_model: str, path: str, body: bytes
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
 
 
-async def _count_tokens(engine: EngineClient, served_model: str, body: bytes, send: Send,
-                        model_aliases: tuple[str, ...]) -> None:
+async def _count_tokens(models: ModelResolver, body: bytes, send: Send) -> None:
     request = protocol.decode(body, ap.CountTokensRequest)
     chat = ap.to_chat_request(request)
-    protocol.model_or_404(chat.model, served_model, model_aliases)
-    prompt_ids = await completions.prompt_token_ids(engine, chat)
+    target = await models.resolve(chat.model)
+    prompt_ids = await completions.prompt_token_ids(target.engine, chat)
     await send_json(send, 200, {"input_tokens": len(prompt_ids)})
 
 

@@ -4,11 +4,14 @@
     GET  /metrics                Prometheus text from the engine's registry (+ vLLM-named gauge aliases)
     GET  /server_info /model_info /get_load (and /get_server_info, /get_model_info)
                                  what routers read from a replica: see worker_api.py
-    GET  /v1/models[/{id}]       the one served model
+    GET  /v1/models[/{id}]       the models served (resolve.py: the one place a request's model is resolved), LoRA
+                                 adapters included (parent: the base model, root: the adapter's folder)
+    POST /v1/load_lora_adapter /v1/unload_lora_adapter   with --enable-runtime-lora-updating (lora.py)
     GET  /openapi.json           the routes and request bodies as OpenAPI 3.1 (see openapi.py)
     POST /v1/completions         see completions.py
     POST /v1/chat/completions
     POST /v1/responses           OpenAI's Responses API: see responses.py
+    POST /v1/embeddings          see embeddings.py (with `task="embed"`, which refuses the generation routes)
     POST /v1/messages[/count_tokens]   Anthropic's Messages API: see anthropic.py
     POST /tokenize /detokenize   vLLM's token routes: see tokenize.py
     GET / and /api/*             Ollama's API (chat, generate, tags, show, ps, version): see ollama.py
@@ -33,7 +36,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrale.engine.protocol import EngineClient
-from metrale.server import anthropic, completions, ollama, openapi, responses, tokenize, worker_api
+from metrale.server import anthropic, completions, embeddings, lora, ollama, openapi, responses, tokenize, worker_api
 from metrale.server.access import AccessControl, MethodNotAllowed
 from metrale.server.asgi import (ClientDisconnected, Receive, Scope, Send, client_request_id, read_body, require_json,
                                  send_bytes, send_error, send_json)
@@ -41,16 +44,18 @@ from metrale.server.cors import CorsPolicy
 from metrale.server.errors import APIError
 from metrale.server.unknown_fields import UnknownFields
 from metrale.server.hosts import HostPolicy
+from metrale.server.resolve import ModelListing, ModelSet, SingleModel
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 RESPONSES_PATH = "/v1/responses"
+TASKS = ("generate", "embed")  # what a server runs: its generation routes, or its embedding routes
 
 
 class ServerApp:
     """ASGI app serving `engine` (any metrale.engine.protocol.EngineClient, e.g. an AsyncEngine) over
-    OpenAI's HTTP API.
+    OpenAI's HTTP API, or `models` (managed.ManagedModels: several models loaded on demand) instead.
 
     api_key: when set, every route but /health and /metrics requires `Authorization: Bearer <api_key>`.
     served_model_name: the model id clients use; the engine's model name by default.
@@ -69,16 +74,34 @@ class ServerApp:
         routers and gateways; off by default, as promtool rejects their `vllm:` names in an exposition.
     on_fatal: called (no arguments) when the engine fails to start or dies (after `dead_grace_s`),
         so the process can exit non-zero and its supervisor restart it.
+    lora_modules: LoRA adapters registered once the engine has started (a bad one is a startup failure).
+    enable_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.py says why
+        they are off by default).
+    task: "generate" (completions, chat, responses, messages, Ollama chat/generate) or "embed" (/v1/embeddings,
+        Ollama's /api/embed and /api/embeddings); the other task's routes answer a 400 naming the task.
     """
 
-    def __init__(self, engine: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
+    def __init__(self, engine: EngineClient | None = None, *, models: ModelSet | None = None,
+                 api_key: str | None = None, served_model_name: str | None = None,
                  model_aliases: tuple[str, ...] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  default_max_tokens: int | None = None,
                  body_timeout_s: float = 30.0, dead_grace_s: float = 5.0, manage_engine: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: tuple[str, ...] = (),
                  reasoning_parser: str | None = None, allowed_hosts: HostPolicy | None = None,
-                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False) -> None:
-        self.engine = engine
+                 on_fatal: Callable[[], None] | None = None, vllm_metric_aliases: bool = False,
+                 lora_modules: tuple[lora.LoraModule, ...] = (), enable_runtime_lora_updating: bool = False,
+                 task: str = "generate") -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        self.task = task
+        if (engine is None) == (models is None):
+            raise ValueError("ServerApp serves one engine or a set of models: give engine or models")
+        if models is not None and (lora_modules or enable_runtime_lora_updating):
+            raise ValueError("LoRA adapters run on the one engine of a one-model server, not on models loaded on "
+                             "demand")
+        self.models: ModelSet = models if models is not None else SingleModel(engine, served_model_name,
+                                                                                tuple(model_aliases))
+        self.engine = self.models.engine  # None when models load on demand
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.body_timeout_s = body_timeout_s
@@ -90,9 +113,9 @@ class ServerApp:
         self.access = AccessControl(api_key, self.cors, allowed_hosts if allowed_hosts is not None else HostPolicy())
         self.on_fatal = on_fatal
         self.vllm_metric_aliases = vllm_metric_aliases
+        self.lora_modules = tuple(lora_modules)
+        self.enable_runtime_lora_updating = enable_runtime_lora_updating
         self.startup_error: BaseException | None = None
-        self._served_model_name = served_model_name
-        self.model_aliases = tuple(model_aliases)
         self._start_task: asyncio.Task | None = None
         self._death_watch: asyncio.Task | None = None
         self._created = int(time.time())
@@ -101,7 +124,7 @@ class ServerApp:
 
     @property
     def model_name(self) -> str:
-        return self._served_model_name or self.engine.model_name
+        return self.models.model_id
 
     @property
     def unknown_fields(self) -> UnknownFields:
@@ -112,18 +135,17 @@ class ServerApp:
 
     def health(self) -> str:
         """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
-        return "unhealthy" if self.startup_error is not None else self.engine.health()
+        return "unhealthy" if self.startup_error is not None else self.models.health()
 
     def force_stop(self) -> None:
         """Abort every open request now (a forced exit): each stream ends with an error event."""
-        if self.engine.health() in ("serving", "draining", "unhealthy"):
-            self.engine.abort_all()
+        self.models.force_stop()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting requests, let in-flight ones finish for up to timeout_s, abort the rest."""
         if self._start_task is not None and not self._start_task.done():
             return  # still loading: nothing in flight; shutdown cancels the load
-        await self.engine.drain(timeout_s)
+        await self.models.drain(timeout_s)
 
     # ---- ASGI ----
 
@@ -161,7 +183,7 @@ class ServerApp:
             logger.debug("client disconnected before sending its body")
         except APIError as error:
             if error.reject_reason is not None:
-                self.engine.record_rejected(error.reject_reason)
+                self.models.record_rejected(error.reject_reason)
             if started:
                 raise
             await send_error(tracked_send, error)
@@ -184,37 +206,56 @@ class ServerApp:
             return await self._only(scope, send_json(send, 200, self._openapi()))
         if path in tokenize.PATHS:
             body = await self._json_body(scope, receive)
-            return await tokenize.handle(self.engine, self.model_name, path, body, send,
-                                         model_aliases=self.model_aliases)
+            async with self.models.request_scope() as models:
+                return await tokenize.handle(models, path, body, send)
         if ollama.serves(path):
             body = await self._json_body(scope, receive) if method == "POST" else b""
-            return await ollama.handle(self.engine, self.model_name, method, path, body, send, receive,
-                                       request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                       model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
+            async with self.models.request_scope() as models:
+                return await ollama.handle(models, method, path, body, send, receive,
+                                           request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
+                                           reasoning_parser=self.reasoning_parser, task=self.task)
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route for {path}", code="not_found")
+        if method == "POST" and (path == embeddings.PATH or path in anthropic.PATHS or path in _POST_ROUTES
+                                 or path == RESPONSES_PATH):
+            self._check_task(path)  # another method is a 405 (read below)
+        if path == embeddings.PATH:
+            body = await self._json_body(scope, receive)
+            async with self.models.request_scope() as models:
+                return await embeddings.handle(models, body, send, receive, request_id=client_request_id(scope),
+                                               unknown_fields=self.unknown_fields)
         if path in anthropic.PATHS:
             body = await self._json_body(scope, receive)
-            return await anthropic.handle(self.engine, self.model_name, path, body, send, receive,
-                                          request_id=client_request_id(scope), tool_call_format=self.tool_call_parser,
-                                          model_aliases=self.model_aliases, reasoning_parser=self.reasoning_parser)
+            async with self.models.request_scope() as models:
+                return await anthropic.handle(models, path, body, send, receive,
+                                              request_id=client_request_id(scope),
+                                              tool_call_format=self.tool_call_parser,
+                                              reasoning_parser=self.reasoning_parser)
         if path in _POST_ROUTES or path == RESPONSES_PATH:
             body = await self._json_body(scope, receive)
             options = {"default_max_tokens": self.default_max_tokens, "request_id": client_request_id(scope),
-                       "tool_call_format": self.tool_call_parser, "model_aliases": self.model_aliases,
+                       "tool_call_format": self.tool_call_parser,
                        "reasoning_parser": self.reasoning_parser, "unknown_fields": self.unknown_fields}
-            if path == RESPONSES_PATH:
-                return await responses.handle(self.engine, self.model_name, body, send, receive, **options)
-            return await completions.handle(self.engine, self.model_name, body, _POST_ROUTES[path],
-                                            send, receive, **options)
+            async with self.models.request_scope() as models:
+                if path == RESPONSES_PATH:
+                    return await responses.handle(models, body, send, receive, **options)
+                return await completions.handle(models, body, _POST_ROUTES[path], send, receive, **options)
+        if path in lora.PATHS and self.enable_runtime_lora_updating:
+            return await lora.handle(self.engine, path, await self._json_body(scope, receive), send)
         if path == "/v1/models":
-            return await self._only(scope, send_json(send, 200, {"object": "list", "data": [self._model_card()]}))
+            cards = [self._model_card(model) for model in self.models.listing()]
+            return await self._only(scope, send_json(send, 200, {"object": "list", "data": cards}))
         if path.startswith("/v1/models/"):
-            model = path.removeprefix("/v1/models/")
-            if model != self.model_name and model not in self.model_aliases:
-                raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-            return await self._only(scope, send_json(send, 200, self._model_card()))
+            return await self._only(scope, self._one_model_card(path.removeprefix("/v1/models/"), send))
         raise APIError(404, f"no route for {path}", code="not_found")
+
+    def _check_task(self, path: str) -> None:
+        """A 400 for a route of the task this server does not run."""
+        embedding = path == embeddings.PATH
+        if embedding != (self.task == "embed"):
+            needed = "embed" if embedding else "generate"
+            raise APIError(400, f"this server runs task {self.task}; {path} needs a server started with "
+                                f"--task {needed}", code="wrong_task", reject_reason="invalid_request")
 
     @staticmethod
     async def _only(scope: Scope, response: Any) -> None:
@@ -238,15 +279,18 @@ class ServerApp:
     @property
     def _started(self) -> bool:
         """The engine has loaded its model (max_model_len is 0 until then)."""
-        return self.startup_error is None and self.engine.max_model_len > 0
+        return self.startup_error is None and self.engine is not None and self.engine.max_model_len > 0
 
     async def _metrics(self, send: Send) -> None:
-        body = self.engine.metrics_exposition() + self.unknown_fields.exposition()
+        body = self.models.metrics_exposition() + self.unknown_fields.exposition()
         if self.vllm_metric_aliases and self._started:
             body += worker_api.vllm_gauges(self.engine.stats(), self.model_name)
         await send_bytes(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
     async def _worker_info(self, path: str, send: Send) -> None:
+        if self.engine is None:
+            raise APIError(404, f"{path} describes one model; this server loads several on demand (see /v1/models)",
+                           code="not_found")
         if not self._started:
             raise APIError(503, f"{path} is known once the model has loaded", code=self.health())
         info = self.engine.info()
@@ -260,14 +304,23 @@ class ServerApp:
 
     def _openapi(self) -> dict[str, Any]:
         if self._openapi_document is None:
-            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name)
+            self._openapi_document = openapi.openapi_document(api_key=self.access.needs_key, model=self.model_name,
+                                                              lora_routes=self.enable_runtime_lora_updating)
         return self._openapi_document
 
-    def _model_card(self) -> dict[str, Any]:
-        """vLLM's model card, with the other ids requests may use for the model (answered as it)."""
-        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "metrale",
-                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len,
-                "aliases": list(self.model_aliases)}
+    async def _one_model_card(self, requested: str, send: Send) -> None:
+        for model in self.models.listing():
+            if requested == model.model_id or requested in model.aliases:
+                return await send_json(send, 200, self._model_card(model))
+        raise APIError(404, f"model {requested!r} does not exist", param="model", code="model_not_found")
+
+    def _model_card(self, model: ModelListing) -> dict[str, Any]:
+        """vLLM's model card, with the other ids requests may use for the model (answered as it), and whether it is
+        resident ("status": loaded | loading | unloaded | failed; its size on disk in bytes)."""
+        return {"id": model.model_id, "object": "model", "created": self._created, "owned_by": "metrale",
+                "root": model.path if model.parent is not None else model.model_id, "parent": model.parent,
+                "max_model_len": model.engine.max_model_len if model.engine is not None else None,
+                "aliases": list(model.aliases), "status": model.status, "size": model.size_bytes}
 
     # ---- lifespan ----
 
@@ -286,7 +339,9 @@ class ServerApp:
 
     async def _start_engine(self) -> None:
         try:
-            await self.engine.start()
+            await self.models.start()
+            if self.engine is not None:
+                await lora.register(self.engine, self.lora_modules, self.model_name)
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -295,13 +350,16 @@ class ServerApp:
             if self.on_fatal is not None:
                 self.on_fatal()
             return
-        logger.info("serving model %s (max_model_len %d)", self.model_name, self.engine.max_model_len)
+        if self.engine is not None:
+            logger.info("serving model %s (max_model_len %d)", self.model_name, self.engine.max_model_len)
+        else:
+            logger.info("serving %d models, loaded on demand", len(self.models.listing()))
         self._death_watch = asyncio.create_task(self._watch_for_death(), name="metrale-engine-death-watch")
 
     async def _watch_for_death(self) -> None:
         """A dead engine cannot recover in this process: after a grace period (so clients get their
         503s and error events), ask the process to exit non-zero so that its supervisor restarts it."""
-        error = await self.engine.wait_until_dead()
+        error = await self.models.wait_until_dead()
         if error is None:
             return  # shut down cleanly
         logger.critical("engine died (%s: %s); exiting in %.0f s so the supervisor restarts the server",
@@ -315,7 +373,7 @@ class ServerApp:
             if task is not None and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        await self.engine.shutdown()
+        await self.models.shutdown()
 
 
 def _request_id_header(scope: Scope) -> list[tuple[bytes, bytes]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -18,14 +19,18 @@ import threading
 from typing import Iterator
 
 import uvicorn
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 
 from metrale.config import GENERATION_CONFIGS, EngineConfig
+from metrale.manager.catalog import ModelEntry
 from metrale.server.app import DEFAULT_MAX_BODY_BYTES, ServerApp
 from metrale.server.connections import deadline_protocol
 from metrale.server.chat_output import REASONING_FORMATS
 from metrale.server.cors import parse_origins
 from metrale.server.hosts import HostPolicy, parse_allowed_hosts
+from metrale.server.lora import parse_lora_module
+from metrale.server.managed import ManagedModels
+from metrale.server.model_flags import ModelSpecs, add_many_models_arguments, models_from_flags, serves_many
 from metrale.settings import RuntimeSettings
 from metrale.text.output_parsing import CHOOSABLE
 
@@ -58,7 +63,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve flags: engine configuration, then HTTP and lifecycle."""
     defaults = EngineConfig()
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default=None, help="GGUF file or model folder (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--model", action=ModelSpecs, default=None, metavar="PATH | NAME=PATH",
+                        help="GGUF file or model folder (default: SmolLM2-135M-Instruct); NAME=PATH (repeatable) "
+                             "serves several models, each loaded on its first request")
     engine.add_argument("--dtype", default=defaults.dtype, choices=("auto", "float32", "float16", "bfloat16"))
     engine.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="max running requests")
     engine.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
@@ -66,6 +73,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
                         help="prompt + output tokens per request (default: the model's, capped at 8192)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    engine.add_argument("--max-step-ms", type=float, default=defaults.max_step_ms,
+                        help="target time of a step that decodes: a long prompt's chunks shrink to fit it "
+                             "(the streams keep their pace); omitted: chunks bounded by tokens only")
     engine.add_argument("--kv-cache-mib", type=int, default=defaults.kv_cache_bytes >> 20,
                         help="KV cache pool size in MiB, allocated once at start")
     engine.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
@@ -77,6 +87,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--generation-config", default=defaults.generation_config, choices=GENERATION_CONFIGS,
                         help="auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty take "
                              "the model's defaults (generation_config.json, GGUF general.sampling.*); vllm: ignore them")
+    engine.add_argument("--task", default="generate", choices=("generate", "embed"),
+                        help="generate: the completion, chat, responses, messages and Ollama chat/generate routes; "
+                             "embed: /v1/embeddings and Ollama's /api/embed, /api/embeddings (the others answer 400)")
+    engine.add_argument("--pooling", default=defaults.pooling, choices=("last", "mean", "cls"),
+                        help="how --task embed pools the final hidden states: the last token's (decoder embedding "
+                             "models such as Qwen3-Embedding), their mean, or the first token's")
+    engine.add_argument("--matryoshka", action="store_true",
+                        help="the model was trained for Matryoshka truncation: requests may ask for fewer dimensions")
     engine.add_argument("--tensor-parallel", type=int, default=defaults.tensor_parallel_size, metavar="N",
                         help="shard the model over N ranks on this machine (MLX ring backend on 127.0.0.1); "
                              "this process is rank 0 and starts the others")
@@ -89,6 +107,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-engine-process runs them in the server process")
     engine.add_argument("--max-engine-restarts", type=int, default=defaults.max_engine_restarts, metavar="N",
                         help="engine process deaths survived within 10 minutes; one more makes the server exit 1")
+    engine.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH",
+                        help="a LoRA adapter folder (mlx-lm or PEFT) served as model NAME (repeatable); also "
+                             "vLLM's JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    engine.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                        help="LoRA adapters resident and running at once (LRU; a request for another waits)")
+    engine.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="largest adapter rank loaded")
+    engine.add_argument("--enable-runtime-lora-updating", action="store_true",
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (they read folders a "
+                             "client names; the API key still applies)")
+    add_many_models_arguments(parser)
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", action=_JoinHosts,
                       help="address to listen on; repeat it or give a comma list to listen on several at once "
@@ -168,14 +196,18 @@ def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the serve flags describe (raises ValueError on bad values)."""
-    return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+    """The EngineConfig the serve flags describe (raises ValueError on bad values); with many models, the
+    config each model's engine starts from (its `model` is the entry's path)."""
+    return EngineConfig(model=None if serves_many(args) else args.model, dtype=args.dtype,
+                        kv_cache_bytes=args.kv_cache_mib << 20, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_step_ms=args.max_step_ms,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,
                         tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config,
-                        engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts)
+                        engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, pooling=args.pooling,
+                        matryoshka=args.matryoshka)
 
 
 class DrainingServer(uvicorn.Server):
@@ -250,6 +282,8 @@ def run_serve(args: argparse.Namespace) -> int:
         origins = parse_origins(args.allowed_origins)
         hosts = listen_hosts(args.host)
         host_policy = HostPolicy.for_listen(hosts, parse_allowed_hosts(args.allowed_hosts))
+        lora_modules = tuple(parse_lora_module(text) for text in args.lora_modules or ())
+        models = managed_models(args, engine_cfg, settings, registry) if serves_many(args) else None
     except ValueError as error:  # a bad flag value: say which, no traceback
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 2
@@ -258,14 +292,18 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"metrale serve: error: {error}", file=sys.stderr)
         return 1
-    engine = AsyncEngine(engine_cfg, registry=registry, settings=settings)
-    app = ServerApp(engine, api_key=settings.api_key, served_model_name=args.served_model_name,
-                    model_aliases=tuple(args.model_alias or ()),
+    if models is not None:
+        served: dict = {"models": models}
+    else:
+        served = {"engine": AsyncEngine(engine_cfg, registry=registry, settings=settings),
+                  "served_model_name": args.served_model_name, "model_aliases": tuple(args.model_alias or ())}
+    app = ServerApp(**served, api_key=settings.api_key,
                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                     body_timeout_s=args.body_timeout, dead_grace_s=args.dead_exit_grace,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     allowed_origins=origins, allowed_hosts=host_policy,
-                    vllm_metric_aliases=args.vllm_metric_aliases)
+                    vllm_metric_aliases=args.vllm_metric_aliases, lora_modules=lora_modules,
+                    enable_runtime_lora_updating=args.enable_runtime_lora_updating, task=args.task)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, loop="auto",
                             http=deadline_protocol(args.header_timeout),
                             lifespan="on",
@@ -282,6 +320,17 @@ def run_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(server.exit_code)
+
+
+def managed_models(args: argparse.Namespace, engine_cfg: EngineConfig, settings: RuntimeSettings,
+                   registry: CollectorRegistry) -> ManagedModels:
+    """The models of --models / --model NAME=PATH, each served by an AsyncEngine when asked for."""
+    from metrale.engine.async_engine import AsyncEngine
+
+    def make_engine(entry: ModelEntry) -> AsyncEngine:
+        return AsyncEngine(dataclasses.replace(engine_cfg, model=entry.path), settings=settings)
+
+    return models_from_flags(args, engine_cfg, make_engine, lambda: generate_latest(registry))
 
 
 def serve_main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from metrale.server import chat_output, protocol, structured, tools
 from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect, send_json
 from metrale.server.errors import APIError, bad_request, from_engine_error
 from metrale.server.prompt_batch import PromptBatchStream
+from metrale.server.resolve import ModelResolver, Target
 from metrale.server.unknown_fields import UnknownFields
 from metrale.engine.protocol import EngineClient
 
@@ -103,43 +104,42 @@ class _Choice:
         return choice
 
 
-async def handle(engine: EngineClient, served_model: str, body: bytes, chat: bool, send: Send, receive: Receive, *,
+async def handle(models: ModelResolver, body: bytes, chat: bool, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
-                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                 tool_call_format: str | None = None,
                  reasoning_parser: str | None = None, unknown_fields: UnknownFields | None = None) -> None:
     """Serve one completion request; raises APIError for anything refused before the response.
     `request_id` (the client's X-Request-Id) names the engine request; else the body's request_id (vLLM's
     field, which also makes the response id), else the response id.
     `tool_call_format` overrides the format the engine reads from the model's chat template, and
     `reasoning_parser` its reasoning format ("none": reasoning stays in content);
-    `model_aliases` are other model ids answered as the served one; `unknown_fields` counts the body's fields that
-    no struct declares."""
+    `models` resolves the request's model; `unknown_fields` counts the body's fields that no struct declares."""
     kind = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
     request = protocol.decode(body, kind)
     if unknown_fields is not None:
         unknown_fields.check(body, kind, "/v1/chat/completions" if chat else "/v1/completions")
-    call, stream = await open_stream(engine, served_model, request, default_max_tokens=default_max_tokens,
+    target = await models.resolve(request.model)
+    call, stream = await open_stream(target, request, default_max_tokens=default_max_tokens,
                                      request_id=request_id, tool_call_format=tool_call_format,
-                                     model_aliases=model_aliases, reasoning_parser=reasoning_parser or "auto")
+                                     reasoning_parser=reasoning_parser or "auto")
     respond = _stream_response if request.stream else _full_response
     try:
-        await run_until_disconnect(respond(engine, call, stream, send), receive)
+        await run_until_disconnect(respond(target.engine, call, stream, send), receive)
     finally:
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
 
 
-async def open_stream(engine: EngineClient, served_model: str,
-                      request: protocol.CompletionRequest | protocol.ChatCompletionRequest, *,
+async def open_stream(target: Target, request: protocol.CompletionRequest | protocol.ChatCompletionRequest, *,
                       default_max_tokens: int | None, request_id: str | None = None,
-                      tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
-                      reasoning_parser: str = "none") -> tuple[_Call, Any]:
+                      tool_call_format: str | None = None, reasoning_parser: str = "none") -> tuple[_Call, Any]:
     """Validate a decoded request, render and tokenize its prompt (off the event loop when long) and submit
-    it: the fields its response objects share, and the engine stream (the caller closes it). Raises
+    it to the engine of `target` (what the request's model resolved to): the fields its response objects share,
+    and the engine stream (the caller closes it). Raises
     APIError for anything refused. The Anthropic and Ollama routes come here too, with their bodies
     translated into a ChatCompletionRequest. `reasoning_parser`: "auto" reads reasoning as the chat template
     shows it, a metrale.text.reasoning format forces one, "none" (what the other routes get) leaves it in content."""
     chat = isinstance(request, protocol.ChatCompletionRequest)
-    model = protocol.model_or_404(request.model, served_model, model_aliases)
+    engine, model = target.engine, target.model_id
     params = protocol.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     model_format = tool_call_format or engine.tool_call_format
     plan = tools.plan(request, model_format) if chat else None
@@ -159,7 +159,7 @@ async def open_stream(engine: EngineClient, served_model: str,
         else:
             prompts = protocol.completion_prompts(request)
             if len(prompts) > 1:
-                return await _open_batch(engine, model, request, params, prompts, request_id)
+                return await _open_batch(engine, model, request, params, prompts, request_id, target.adapter)
             prompt = prompts[0]
             prompt_ids = await engine.prompt_token_ids(prompt)
         echo = None
@@ -171,12 +171,14 @@ async def open_stream(engine: EngineClient, served_model: str,
                      output, params.n, echo, tuple(prompt_ids), request.prompt_logprobs,
                      continuous_usage=options is not None and options.continuous_usage_stats,
                      prompt_tail=chat_output.prompt_tail(engine, prompt_ids) if output is not None else "")
-        stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or request.request_id or call.id,
+                                 lora=target.adapter)
     return call, stream
 
 
 async def _open_batch(engine: EngineClient, model: str, request: protocol.CompletionRequest, params: Any,
-                      prompts: list[str | list[int]], request_id: str | None) -> tuple[_Call, PromptBatchStream]:
+                      prompts: list[str | list[int]], request_id: str | None,
+                      lora: str | None = None) -> tuple[_Call, PromptBatchStream]:
     """A list of prompts: every prompt tokenized (off the event loop when long) before any is submitted, then
     one engine request per prompt, `{id}-{i}`; one submit refused closes those already queued."""
     for field in ("echo", "prompt_logprobs"):
@@ -193,7 +195,7 @@ async def _open_batch(engine: EngineClient, model: str, request: protocol.Comple
     streams: list[Any] = []
     try:
         for i, ids in enumerate(prompt_ids):
-            streams.append(engine.generate(ids, params, request_id=f"{base_id}-{i}"))
+            streams.append(engine.generate(ids, params, request_id=f"{base_id}-{i}", lora=lora))
     except BaseException:
         for stream in streams:
             await stream.aclose()

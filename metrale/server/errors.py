@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from metrale.errors import EngineUnavailableError, QueueFullError, RequestRejectedError
+from metrale.errors import EngineUnavailableError, LoraNotFoundError, QueueFullError, RequestRejectedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
@@ -73,6 +73,7 @@ def from_decode_error(error: msgspec.DecodeError) -> APIError:
 # The engine's error types and the status each gets: the first type the error is an instance of wins.
 STATUS_OF_ERROR: tuple[tuple[type[Exception], int], ...] = (
     (QueueFullError, 429),
+    (LoraNotFoundError, 404),  # unloaded between the model lookup and the submit
     (RequestRejectedError, 400),
     (EngineUnavailableError, 503),
 )

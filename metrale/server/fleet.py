@@ -45,12 +45,6 @@ ROUTER_MODEL_PLACEHOLDER = "unknown"
 # attempts a request gets, moves a request that met a dead replica to a live one instead of failing it.
 ROUTER_DEFAULTS = ("--log-level", "warn", "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
                    "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "10")
-# Runs the router with --api-key from $METRALE_API_KEY, so the key is not on a command line.
-_ROUTER_MAIN = ("import os, sys\n"
-                "from sglang_router.launch_router import launch_router, parse_router_args\n"
-                "args = parse_router_args(sys.argv[1:])\n"
-                "args.api_key = os.environ.get('METRALE_API_KEY') or None\n"
-                "launch_router(args)\n")
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
@@ -117,7 +111,7 @@ def replica_command(args: argparse.Namespace, port: int) -> list[str]:
 
 def router_command(args: argparse.Namespace, worker_urls: list[str], metrics_port: int) -> list[str]:
     """The router's command line (its API key, if any, comes from $METRALE_API_KEY)."""
-    return [sys.executable, "-c", _ROUTER_MAIN, *router_argv(args, worker_urls, metrics_port)]
+    return [sys.executable, "-m", "metrale.router_main", *router_argv(args, worker_urls, metrics_port)]
 
 
 def _serve_actions() -> list[argparse.Action]:

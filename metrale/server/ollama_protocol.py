@@ -9,7 +9,9 @@
                    sampling methods metrale does not have (mirostat, typical_p < 1, tfs_z) are refused
     format         "json" -> a JSON object; a JSON schema -> that schema (both grammar-enforced)
     think          true / false / "low" | "medium" | "high" -> chat_template_kwargs enable_thinking, reasoning_effort
-    keep_alive     accepted: the served model stays resident for the server's life
+    keep_alive     how long the model stays resident once idle ("5m", seconds, 0: unload now, negative: forever);
+                   with one model (--model PATH) it stays for the server's life
+    /api/embed     input (a string or a list), truncate, dimensions -> metrale.server.embeddings' run
 """
 
 from __future__ import annotations
@@ -110,6 +112,26 @@ class GenerateRequest(_Common, kw_only=True):
     context: list[Int64] | None = None
     raw: bool = False
     images: list[Any] | None = None
+
+
+class EmbedRequest(msgspec.Struct, kw_only=True):
+    """POST /api/embed: `truncate` (default true) cuts each input to the context, keeping its start."""
+
+    model: str
+    input: str | list[str] = ""
+    truncate: bool = True
+    dimensions: Int64 | None = None
+    options: Options | None = None  # accepted: none of its knobs changes an embedding here
+    keep_alive: float | str | None = None
+
+
+class EmbeddingsRequest(msgspec.Struct, kw_only=True):
+    """POST /api/embeddings (the legacy route): one prompt, its vector not normalised (as Ollama's)."""
+
+    model: str
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: float | str | None = None
 
 
 class ModelRequest(msgspec.Struct, kw_only=True):

@@ -14,7 +14,9 @@ import msgspec
 
 from metrale import __version__
 from metrale.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from metrale.server.ollama_protocol import ChatRequest, GenerateRequest, ModelRequest
+from metrale.server.embeddings import EmbeddingRequest
+from metrale.server.lora import LOAD_PATH, UNLOAD_PATH, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from metrale.server.ollama_protocol import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ModelRequest
 from metrale.server.protocol import ChatCompletionRequest, CompletionRequest
 from metrale.server.responses_protocol import ResponsesRequest
 from metrale.server.tokenize import DetokenizeRequest, TokenizeRequest
@@ -43,23 +45,33 @@ _POST_ROUTES = (  # path, operationId, body type, answer content types
     ("/v1/responses", "createResponse", ResponsesRequest, (_JSON, _SSE)),
     ("/v1/messages", "anthropicMessages", MessagesRequest, (_JSON, _SSE)),
     ("/v1/messages/count_tokens", "anthropicCountTokens", CountTokensRequest, (_JSON,)),
+    ("/v1/embeddings", "createEmbedding", EmbeddingRequest, (_JSON,)),  # under --task embed
     ("/tokenize", "tokenize", TokenizeRequest, (_JSON,)),
     ("/detokenize", "detokenize", DetokenizeRequest, (_JSON,)),
     ("/api/chat", "ollamaChat", ChatRequest, (_JSON, _NDJSON)),
     ("/api/generate", "ollamaGenerate", GenerateRequest, (_JSON, _NDJSON)),
     ("/api/show", "ollamaShow", ModelRequest, (_JSON,)),
+    ("/api/embed", "ollamaEmbed", EmbedRequest, (_JSON,)),  # under --task embed
+    ("/api/embeddings", "ollamaEmbeddings", EmbeddingsRequest, (_JSON,)),
 )
-_OPENAI_SHAPED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
+_LORA_ROUTES = (  # only with --enable-runtime-lora-updating
+    (LOAD_PATH, "loadLoraAdapter", LoadLoraAdapterRequest, ("text/plain",)),
+    (UNLOAD_PATH, "unloadLoraAdapter", UnloadLoraAdapterRequest, ("text/plain",)),
+)
+_OPENAI_SHAPED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                  "/detokenize", LOAD_PATH, UNLOAD_PATH)
 _OPEN_ROUTES = ("/health", "/metrics")
 
 
-def openapi_document(*, api_key: bool, model: str) -> dict[str, Any]:
+def openapi_document(*, api_key: bool, model: str, lora_routes: bool = False) -> dict[str, Any]:
     """The document; `api_key`: whether routes other than /health and /metrics need a bearer token;
-    `model`: the served model's id (the example of /v1/models/{model})."""
-    refs, schemas = msgspec.json.schema_components([route[2] for route in _POST_ROUTES], ref_template=_REF)
+    `model`: the served model's id (the example of /v1/models/{model}); `lora_routes`: the runtime LoRA
+    load/unload routes are served."""
+    routes = _POST_ROUTES + (_LORA_ROUTES if lora_routes else ())
+    refs, schemas = msgspec.json.schema_components([route[2] for route in routes], ref_template=_REF)
     schemas = {**schemas, "Error": _ERROR}
     paths: dict[str, Any] = {}
-    for (path, operation_id, _, answers), ref in zip(_POST_ROUTES, refs):
+    for (path, operation_id, _, answers), ref in zip(routes, refs):
         errors = _errors(*_POST_ERRORS) if path in _OPENAI_SHAPED else _errors(*_POST_ERRORS, schema=_OTHER_ERRORS)
         paths[path] = {"post": {
             "operationId": operation_id,

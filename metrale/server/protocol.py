@@ -20,7 +20,7 @@ import msgspec
 from metrale.sampling_params import SamplingParams
 from metrale.server import refusals, structured
 from metrale.server.asgi import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
-from metrale.server.errors import APIError, bad_request, from_decode_error, request_field
+from metrale.server.errors import bad_request, from_decode_error, request_field
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_MESSAGES = 4096  # turns of one chat request (the body's size bounds them too)
@@ -319,10 +319,3 @@ def template_kwargs(request: Any) -> dict[str, Any]:
     return kwargs
 
 
-def model_or_404(requested: str | None, served: str, aliases: tuple[str, ...] = ()) -> str:
-    """The model name to report (`served`, also for an alias); a 404 when the request names a model
-    this server does not serve."""
-    if requested is None or requested == served or requested in aliases:
-        return served
-    raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
-                   param="model", code="model_not_found", reject_reason="invalid_request")

@@ -24,7 +24,6 @@ import time
 import uuid
 from typing import Any
 
-from metrale.engine.protocol import EngineClient
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
 from metrale.server import chat_output, protocol, tools
@@ -33,6 +32,7 @@ from metrale.server.asgi import Receive, Send, SSEResponse, run_until_disconnect
 from metrale.server.completions import ABORTED, prepare_params
 from metrale.server.unknown_fields import UnknownFields
 from metrale.server.errors import APIError, from_engine_error
+from metrale.server.resolve import ModelResolver
 
 
 
@@ -90,15 +90,16 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}
 
 
-async def handle(engine: EngineClient, served_model: str, body: bytes, send: Send, receive: Receive, *,
+async def handle(models: ModelResolver, body: bytes, send: Send, receive: Receive, *,
                  default_max_tokens: int | None, request_id: str | None = None,
-                 tool_call_format: str | None = None, model_aliases: tuple[str, ...] = (),
+                 tool_call_format: str | None = None,
                  reasoning_parser: str | None = None, unknown_fields: UnknownFields | None = None) -> None:
     """Serve one Responses API request; raises APIError for anything refused before the response."""
     request = protocol.decode(body, rp.ResponsesRequest)
     if unknown_fields is not None:
         unknown_fields.check(body, rp.ResponsesRequest, "/v1/responses")
-    model = protocol.model_or_404(request.model, served_model, model_aliases)
+    target = await models.resolve(request.model)
+    engine, model = target.engine, target.model_id
     rp.refuse_unsupported(request)
     params = rp.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
@@ -113,7 +114,7 @@ async def handle(engine: EngineClient, served_model: str, body: bytes, send: Sen
         messages = tools.template_messages(rp.chat_messages(request), plan, tool_call_format or engine.tool_call_format)
         prompt_ids = await engine.chat_token_ids(messages, tools=plan.template_tools if plan is not None else None,
                                                  **rp.template_kwargs(request))
-        stream = engine.generate(prompt_ids, params, request_id=request_id or response.id)
+        stream = engine.generate(prompt_ids, params, request_id=request_id or response.id, lora=target.adapter)
     except APIError:
         raise
     except Exception as error:

@@ -20,6 +20,7 @@ from metrale.engine.protocol import EngineClient
 from metrale.server import completions, protocol
 from metrale.server.asgi import Send, send_json
 from metrale.server.errors import bad_request, from_decode_error
+from metrale.server.resolve import ModelResolver
 
 PATHS = ("/tokenize", "/detokenize")
 
@@ -40,11 +41,10 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-async def handle(engine: EngineClient, served_model: str, path: str, body: bytes, send: Send, *,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+async def handle(models: ModelResolver, path: str, body: bytes, send: Send) -> None:
     if path == "/detokenize":
         request = protocol.decode(body, DetokenizeRequest)
-        protocol.model_or_404(request.model, served_model, model_aliases)
+        engine = (await models.resolve(request.model)).engine
         if len(request.tokens) > engine.max_model_len:
             raise bad_request(f"tokens holds {len(request.tokens)} ids; at most max_model_len "
                               f"({engine.max_model_len}) are decoded", "tokens")
@@ -52,7 +52,7 @@ async def handle(engine: EngineClient, served_model: str, path: str, body: bytes
             token_ids = await engine.prompt_token_ids(request.tokens)  # checks every id against the vocabulary
         return await send_json(send, 200, {"prompt": engine.decode(token_ids)})
     request = protocol.decode(body, TokenizeRequest)
-    protocol.model_or_404(request.model, served_model, model_aliases)
+    engine = (await models.resolve(request.model)).engine
     token_ids = await _token_ids(engine, request)
     await send_json(send, 200, {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids,
                                 "token_strs": engine.token_texts(token_ids) if request.return_token_strs else None})

@@ -37,7 +37,7 @@ class FakeEngine:
     async def stream(self, request):
         self.log.append((self.name, tuple(request.prompt)))
         for _ in range(request.output_len - self.short):
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.01)  # a run spans several /proc/stat ticks (10 ms): cpu_usage needs time to pass
             yield Chunk(1, prompt_tokens=len(request.prompt))
 
 

@@ -149,6 +149,10 @@ def test_kubernetes_router_discovers_the_metrale_pods():
     assert flags["--service-discovery-namespace"] == ["default"]
     assert {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} \
         in container["env"]
+    # the router probes the pods with the key they check (metrale.router_main reads it from the environment)
+    assert container["command"] == ["python", "-m", "metrale.router_main"]
+    (replica_key,) = [e for e in replica["env"] if e["name"] == "METRALE_API_KEY"]
+    assert replica_key in container["env"]
     assert int(flags["--cb-failure-threshold"][0]) < 5  # opens before a request's 5 attempts are spent
     assert int(flags["--shutdown-grace-period-secs"][0]) > _serve_args(replica["args"]).shutdown_timeout
     assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"  # /health is 200 with no workers
@@ -190,7 +194,8 @@ def test_docker_compose_fleet():
         assert int(services[name]["stop_grace_period"].rstrip("s")) > args.shutdown_timeout
         assert f"127.0.0.1:{args.port}/health" in " ".join(services[name]["healthcheck"]["test"])
     router = services["router"]
-    assert router["entrypoint"] == ["python", "-m", "sglang_router.launch_router"]
+    assert router["entrypoint"] == ["python", "-m", "metrale.router_main"]
+    assert router["environment"]["METRALE_API_KEY"] == services["metrale-0"]["environment"]["METRALE_API_KEY"]
     flags = _router_args(router["command"])
     assert flags["--worker-urls"] == [f"http://{a.host}:{a.port}" for a in replicas.values()]
     assert flags["--policy"] == ["cache_aware"] and flags["--prometheus-host"] == ["127.0.0.1"]

@@ -25,7 +25,7 @@ def widened(a, dtype):
 @needs_prefill
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("window", [None, 1, 100])
-@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 4, 24), (16, 2, 8)])
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 4, 24), (16, 2, 8), (8, 2, 64)])
 def test_chunks_over_many_key_tiles_match_dense(dtype, window, n_heads, n_kv, head_dim):
     """A chunk of 37 queries after a 263-token prefix (five key tiles of 64, a partial query tile), and
     a first chunk of 21: every row equals dense attention over the values the pool holds."""
@@ -61,11 +61,11 @@ def test_the_gathered_path_agrees_with_the_kernel():
 
 @needs_prefill
 def test_a_block_outside_the_pool_gives_nan_rows_not_a_crash():
-    pool = mx.ones((32, 1, 8))  # 4 blocks of 8
-    out = ext.paged_prefill(mx.ones((16, 1, 8)), pool, pool, mx.array([0, 9], dtype=mx.int32), first_position=0,
-                            scale=1.0, block_size=8, window=0)
-    out = np.array(out)  # (16, 1, 8): query tile 0 (positions 0..7) reads block 0 only, tile 1 reaches block 9
-    assert np.isfinite(out[:8]).all() and np.isnan(out[8:]).all()
+    pool = mx.ones((64, 1, 8))  # 4 blocks of 16
+    out = ext.paged_prefill(mx.ones((32, 1, 8)), pool, pool, mx.array([0, 9], dtype=mx.int32), first_position=0,
+                            scale=1.0, block_size=16, window=0)
+    out = np.array(out)  # (32, 1, 8): query tile 0 (16 queries, positions 0..15) reads block 0 only,
+    assert np.isfinite(out[:16]).all() and np.isnan(out[16:]).all()  # tile 1 reaches block 9
 
 
 @needs_prefill

@@ -33,6 +33,35 @@ def test_applied_settings_win_over_the_environment_and_end_with_the_block(monkey
     assert backend.select_backends(KernelSettings(attention="reference")).attention == "reference"
 
 
+def test_auto_activations_choose_int8_for_prompt_chunks_only(monkeypatch):
+    monkeypatch.delenv("METRALE_QMM_ACTIVATIONS", raising=False)
+    assert backend.matmul_activation_bits() == 16  # the default (auto costs quality: docs/quantized-kernels.md)
+    monkeypatch.setenv("METRALE_QMM_ACTIVATIONS", "auto")
+    assert backend.matmul_activation_bits() == 0
+    low = backend.INT8_MIN_TOKENS - 1
+    assert [backend.activation_bits_for(0, t) for t in (1, low, backend.INT8_MIN_TOKENS, 512)] == [16, 16, 8, 8]
+    assert [backend.activation_bits_for(bits, t) for bits in (16, 8) for t in (1, 512)] == [16, 16, 8, 8]
+
+
+@needs_kernel
+def test_an_auto_layer_computes_each_call_at_its_chosen_precision():
+    """A QuantizedLinearCPU built under auto gives, per call, exactly the output of its chosen precision."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from kernels.qmm import QuantizedLinearCPU
+
+    linear = nn.QuantizedLinear(256, 48, bias=False, group_size=32, bits=4)
+    with applied(KernelSettings(qmm_activations="auto")):
+        layer = QuantizedLinearCPU.from_layers([linear])
+    assert layer.activation_bits == 0 and "activations=auto" in repr(layer)
+    for tokens, bits in ((backend.INT8_MIN_TOKENS - 1, 16), (backend.INT8_MIN_TOKENS, 8), (40, 8)):
+        x = mx.random.normal((tokens, 256), key=mx.random.key(tokens))
+        (want,) = ext.quantized_matmul(x, layer.q, layer.scales, layer.biases, bits=4, group_size=32,
+                                       columns=[48], activation_bits=bits)
+        assert mx.array_equal(layer(x), want), (tokens, bits)
+
+
 @pytest.mark.parametrize("field, value", [("attention", "fast"), ("qmm_activations", "int4"),
                                           ("attention_threads", 0), ("spin_us", -5)])
 def test_bad_values_are_refused_at_construction(field, value):

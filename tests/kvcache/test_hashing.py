@@ -45,3 +45,14 @@ def test_extend_is_incremental_and_matches_full():
 def test_extend_needs_known_tokens():
     with pytest.raises(ValueError, match="only 7 tokens"):
         extend_block_hashes([], list(range(7)), 4, 2)
+
+
+def test_the_lora_adapter_enters_the_first_block_only():
+    root = hash_block_tokens(None, [1, 2])
+    with_a = hash_block_tokens(None, [1, 2], adapter="A")
+    assert with_a != root and with_a != hash_block_tokens(None, [1, 2], adapter="B")
+    assert with_a != hash_block_tokens(None, [1, 2], "A")  # an adapter is not a salt of the same text
+    assert hash_block_tokens(None, [1, 2], "s", "A") not in (with_a, hash_block_tokens(None, [1, 2], "s"))
+    assert hash_block_tokens(root, [3], adapter="A") == hash_block_tokens(root, [3])
+    tokens = list(range(8))
+    assert extend_block_hashes([], tokens, 4, 2, adapter="A")[1] != extend_block_hashes([], tokens, 4, 2)[1]

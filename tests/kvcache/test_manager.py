@@ -17,6 +17,7 @@ class Seq:
     all_token_ids: list = field(default_factory=list)
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    lora_key: str | None = None
 
 
 def admit(mgr, seq, num_new=None):

@@ -5,6 +5,7 @@ import pytest
 from kvcache.manager import KVCacheManager
 from scheduler import (
     DuplicateRequestError,
+    LoraRef,
     QueueFullError,
     RequestRejectedError,
     RequestStatus,
@@ -321,3 +322,40 @@ def test_each_block_is_hashed_once_over_a_request_life(monkeypatch):
     sched.add(make_request("a", 40, max_tokens=20))
     run_until_done(sched)
     assert len(calls) == (40 + 20 - 1) // 4  # every block that ever filled, hashed once
+
+
+def test_same_prompt_under_another_lora_adapter_shares_no_blocks():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(100, 112))  # 3 blocks
+    adapter = LoraRef("A", "/adapters/a")
+    sched.add(make_request("base", prompt + [1], max_tokens=2))
+    step(sched)
+    sched.add(make_request("a", prompt + [1], max_tokens=2, lora=adapter))
+    sched.add(make_request("a2", prompt + [1], max_tokens=2, lora=adapter))
+    out, _ = step(sched)
+    tables = {s.request_id: s.block_table for s in out.scheduled}
+    assert not set(tables["a"]) & set(sched.kv_cache_manager.block_table("base"))
+    assert [s.lora for s in out.scheduled if s.request_id != "base"] == [adapter, adapter]
+    run_until_done(sched)
+    sched.add(make_request("a3", prompt + [2], max_tokens=2, lora=adapter))
+    out, _ = step(sched)
+    assert out.scheduled[0].start_position == 12  # A's own blocks are reused
+    run_until_done(sched)
+    sched.check_integrity()
+
+
+def test_at_most_max_loras_adapters_run_at_once():
+    sched = make_scheduler(max_loras=2, max_num_seqs=8)
+    refs = [LoraRef(name, f"/adapters/{name}") for name in "ABC"]
+    for rid, ref in [("a", refs[0]), ("b", refs[1]), ("base", None), ("c", refs[2]), ("a2", refs[0])]:
+        sched.add(make_request(rid, 3, max_tokens=2, lora=ref))
+    out, _ = step(sched)
+    assert [s.request_id for s in out.scheduled] == ["a", "b", "base"]  # c waits at the head, a2 behind it
+    while {r.request_id for r in sched.running} & {"a", "b"}:
+        out, _ = step(sched)
+    out, _ = step(sched)
+    assert {s.request_id for s in out.scheduled} >= {"c", "a2"}
+    run_until_done(sched)
+    sched.check_integrity()
+    with pytest.raises(ValueError, match="max_loras"):
+        SchedulerConfig(max_loras=0)

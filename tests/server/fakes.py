@@ -73,7 +73,7 @@ class FakeEngine:
         return generate_latest(self.registry)
 
     def generate(self, prompt: Any, params: SamplingParams, *, request_id: str | None = None,
-                 priority: int = 0) -> RequestStream:
+                 priority: int = 0, lora: str | None = None) -> RequestStream:
         if self.state == "draining":
             raise EngineDrainingError("draining")
         if self.reject is not None:
@@ -100,10 +100,13 @@ class FakeEngine:
         self.prepared.append(params)
 
     def chat(self, messages: list[dict], params: SamplingParams, *, request_id: str | None = None,
-             priority: int = 0, tools: list | None = None) -> RequestStream:
+             priority: int = 0, tools: list | None = None, lora: str | None = None) -> RequestStream:
         self.chat_tools.append(tools)
         checked = validate_messages(messages)  # the real engine's check
         return self.generate(" ".join(m["content"] for m in checked), params, request_id=request_id)
+
+    def list_loras(self) -> dict[str, str]:
+        return {}
 
     def abort(self, request_id: str) -> bool:
         task = self.live.pop(request_id, None)

@@ -13,16 +13,17 @@ from tests.server.serve import SMALL, ServerProcess
 
 pytest.importorskip("schemathesis")
 pytestmark = pytest.mark.timeout(300)
-RUNS = {  # (api key, cases per operation after the coverage phase, phases, more schemathesis options)
-    "open": (None, 5, "coverage,fuzzing", ()),                        # ~2,500 requests, 23 operations
-    "with-key": ("k3y", 3, "coverage", ("--include-method", "GET")),  # ~110: 401s documented, auth never ignored
+RUNS = {  # (api key, cases per operation after the coverage phase, phases, more schemathesis options, serve flags)
+    "open": (None, 5, "coverage,fuzzing", (), ()),                        # ~2,500 requests, 23 operations
+    "with-key": ("k3y", 3, "coverage", ("--include-method", "GET"), ()),  # ~110: 401s documented, auth never ignored
+    "embed": (None, 10, "coverage,fuzzing", ("--include-path-regex", "embed"), ("--task", "embed")),  # the 3 routes
 }
 
 
 @pytest.mark.parametrize("run", RUNS)
 def test_the_fuzzer_finds_nothing(tiny_model, tmp_path, run):
-    api_key, examples, phases, extra = RUNS[run]
-    args = ("--model", tiny_model, *SMALL, *(("--api-key", api_key) if api_key else ()))
+    api_key, examples, phases, extra, flags = RUNS[run]
+    args = ("--model", tiny_model, *SMALL, *(("--api-key", api_key) if api_key else ()), *flags)
     with ServerProcess(*args, memory_limit_bytes=MEMORY_LIMIT_BYTES) as server:
         result = fuzz(server.url(), report_dir=tmp_path, max_examples=examples, phases=phases, seed=21,
                       api_key=api_key, extra_args=extra)

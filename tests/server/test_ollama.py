@@ -110,7 +110,7 @@ async def test_root_and_version_answer_like_ollama(engine):
      400, "images"),
     ("/api/generate", {"model": "fake-model", "prompt": "x", "context": [1, 2]}, 400, "context"),
     ("/api/generate", {"model": "nope", "prompt": "x"}, 404, "nope"),
-    ("/api/embed", {"model": "fake-model", "input": "x"}, 400, "embeddings"),
+    ("/api/embed", {"model": "fake-model", "input": "x"}, 400, "--task embed"),
     ("/api/pull", {"model": "llama3"}, 400, "not supported"),
     ("/api/nothing", {}, 404, "no route"),
 ])

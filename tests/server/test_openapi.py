@@ -14,7 +14,8 @@ from metrale.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server.fakes import FakeEngine, call
 
 POSTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-         "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/show")
+         "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/show", "/v1/embeddings", "/api/embed",
+         "/api/embeddings")
 GETS = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/openapi.json", *worker_api.INFO_PATHS,
         "/", "/api/version", "/api/tags", "/api/ps")
 

@@ -65,10 +65,11 @@ class FakeEngine:
 
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 64, max_model_len: int = 256, failpoints: str = "",
-                 enable_prefix_caching: bool = True, runner: "FakeRunner | None" = None) -> None:
+                 enable_prefix_caching: bool = True, runner: "FakeRunner | None" = None,
+                 clock: Callable[[], float] | None = None, **scheduling) -> None:
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=max_model_len, block_size=block_size,
-                                 enable_prefix_caching=enable_prefix_caching)
+                                 enable_prefix_caching=enable_prefix_caching, **scheduling)
         kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self.failpoints = Failpoints.from_spec(failpoints, seed=0)
         self.runner = runner if runner is not None else FakeRunner()
@@ -76,7 +77,8 @@ class FakeEngine:
         self.metrics = EngineMetrics(CollectorRegistry(), model_name="fake")
         self.metrics.set_max_model_len(max_model_len)
         self.mlx = MLXThread()
-        self.core = EngineCore(Scheduler(config, kv), self.runner, self.mlx, self.metrics, self.failpoints)
+        timing = {} if clock is None else {"clock": clock}
+        self.core = EngineCore(Scheduler(config, kv), self.runner, self.mlx, self.metrics, self.failpoints, **timing)
         self.streams = RequestStreams(self.core.finish, self.failpoints)
         self.core.on_outputs = self.streams.process
         self.outputs = OutputProcessor(FakeTokenizer(), self.failpoints)

@@ -21,13 +21,14 @@ ROWS = [
     RowResult("grammar-done", (2,), stopped=True),
     RowResult("prompt-chunk", prompt_logprobs=PromptLogprobs(1, [TokenLogprob(9, -3.0, (), 12)])),
     RowResult("culprit", error=RowError.of(ValueError("bad row"), kv_unwritten=True)),
+    RowResult("embedding", embedding=b"\x00\x00\x80?" * 4),  # four float32 1.0s
 ]
 
 
 def test_rows_round_trip_through_msgpack():
     data = encode_rows(ROWS)
     assert decode_rows(data) == ROWS
-    assert len(data) < 400  # array_like, defaults omitted: a decode row is a few bytes
+    assert len(data) < 420  # array_like, defaults omitted: a decode row is a few bytes
 
 
 def test_forward_input_round_trips_through_msgpack_and_pickle():

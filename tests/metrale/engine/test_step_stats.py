@@ -60,3 +60,16 @@ async def test_n_sequences_are_one_request_in_params_n(engine):
     assert value(engine, "metrale_request_params_max_tokens_count") >= 3
     assert value(engine, "metrale_request_time_per_output_token_seconds_count") >= 3
     assert_clean(engine)
+
+
+async def test_max_tokens_param_is_the_effective_limit_and_embeddings_are_not_observed(engine):
+    count = value(engine, "metrale_request_params_max_tokens_count")
+    total = value(engine, "metrale_request_params_max_tokens_sum")
+    unset = SamplingParams(temperature=0, stop_token_ids=[int(t) for t in range(512)])  # no max_tokens: the engine's
+    await collect(engine.generate([5, 6, 7], unset))
+    await engine.embed([[5, 6, 7, 8]])
+    await wait_idle(engine)
+    assert value(engine, "metrale_request_params_max_tokens_count") - count == 1  # the generation, not the embedding
+    observed = value(engine, "metrale_request_params_max_tokens_sum") - total
+    assert 4 < observed <= engine.max_model_len - 3  # the room the engine left it (not unset, not the embedding's 1)
+    assert_clean(engine)

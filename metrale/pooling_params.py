@@ -1,0 +1,38 @@
+"""PoolingParams: the per-request knobs of an embedding request, validated once at construction.
+
+    normalize               L2-normalise the pooled vector (default True, as vLLM's embed pooler)
+    dimensions              keep the first k dimensions, then normalise (Matryoshka truncation); only for
+                            models that were trained for it (EngineConfig.matryoshka), checked at submit
+    truncate_prompt_tokens  keep the last k tokens of a longer input (vLLM's left truncation); -1 is
+                            max_model_len; None refuses a too-long input
+
+How the vector is pooled (last token, mean, first token) is the engine's (EngineConfig.pooling): a property
+of the model, not of the request.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from scheduler.errors import InvalidParamsError
+
+POOLING_TYPES = ("last", "mean", "cls")
+MAX_EMBED_INPUTS = 2048  # inputs in one embedding request (OpenAI's limit)
+
+
+class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """See the module docstring. Invalid values raise InvalidParamsError naming the field."""
+
+    normalize: bool = True
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise InvalidParamsError(f"normalize must be a bool, got {self.normalize!r}", field="normalize")
+        if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):
+            raise InvalidParamsError(f"dimensions must be an int >= 1, got {self.dimensions!r}", field="dimensions")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (type(truncate) is not int or (truncate < 1 and truncate != -1)):
+            raise InvalidParamsError(f"truncate_prompt_tokens must be -1 or an int >= 1, got {truncate!r}",
+                                     field="truncate_prompt_tokens")

@@ -1,0 +1,134 @@
+"""The step cost model (learned online) and one step's time budget, on made-up step times."""
+
+import math
+
+import pytest
+
+from scheduler.step_cost import OnlineStepCost, StepTimeBudget, StepWork, attention_pairs
+
+
+def true_cost(work: StepWork) -> float:
+    return 0.004 + 0.0005 * work.num_tokens + 2e-8 * work.num_attention_pairs
+
+
+def teach(model: OnlineStepCost, cost=true_cost) -> None:
+    """Decode-only steps of 4 streams and prompt chunks of several sizes at growing contexts."""
+    for context in (10, 300, 900):
+        decodes = StepWork(4, 4 * context)
+        model.observe(decodes, cost(decodes))
+    for start, n in ((0, 512), (512, 512), (4096, 64), (8000, 192)):
+        chunk = StepWork.of_chunk(start, n)
+        model.observe(chunk, cost(chunk))
+
+
+def test_attention_pairs_count_causal_query_key_pairs():
+    assert attention_pairs(0, 1) == 1
+    assert attention_pairs(5, 3) == 6 + 7 + 8
+    assert StepWork.of_chunk(5, 3) == StepWork(3, 21, True)
+    assert StepWork.of_chunk(7, 1).has_chunk is False
+
+
+def test_learns_the_three_coefficients_from_exact_times():
+    model = OnlineStepCost()
+    teach(model)
+    for work in (StepWork(4, 40), StepWork.of_chunk(6000, 100), StepWork(300, 10**7, True)):
+        assert model.estimate(work) == pytest.approx(true_cost(work), rel=1e-6)
+
+
+def test_knows_nothing_until_chunks_and_two_token_counts_were_seen():
+    model = OnlineStepCost(min_observations=2)
+    for _ in range(5):
+        model.observe(StepWork(4, 100), 0.01)
+    assert model.estimate(StepWork(4, 100)) is None  # decodes alone never tell what a chunk costs
+    model.observe(StepWork.of_chunk(0, 64), 0.05)
+    assert model.estimate(StepWork(4, 100)) is None
+    model.observe(StepWork.of_chunk(64, 64), 0.06)
+    assert model.estimate(StepWork(4, 100)) is not None
+    alone = OnlineStepCost(min_observations=2)
+    for start in range(0, 256, 64):  # one token count: fixed and per-token cost are not separable
+        alone.observe(StepWork.of_chunk(start, 64), 0.05 + start * 1e-5)
+    assert alone.estimate(StepWork(4, 100)) is None
+    alone.observe(StepWork.of_chunk(256, 32), 0.04)
+    assert alone.estimate(StepWork(4, 100)) is not None
+
+
+def test_coefficients_stay_non_negative_on_noisy_times():
+    model = OnlineStepCost()
+    # longer contexts measured faster (noise): an unconstrained fit would give a negative per-pair cost
+    for pairs, seconds in ((100, 0.012), (50_000, 0.011), (200_000, 0.010)):
+        model.observe(StepWork(4, pairs), seconds)
+    for n, seconds in ((64, 0.05), (128, 0.08)):
+        model.observe(StepWork.of_chunk(10_000 // n, n), seconds)
+    assert min(model.coefficients) >= 0.0
+    assert model.estimate(StepWork.of_chunk(0, 256)) > model.estimate(StepWork.of_chunk(0, 128))
+
+
+def test_old_steps_age_out_of_the_window():
+    model = OnlineStepCost(window=8)
+    slow = lambda work: 3 * true_cost(work)  # noqa: E731
+    for _ in range(3):
+        teach(model, slow)
+    for _ in range(3):
+        teach(model)  # the machine got faster (another process left)
+    work = StepWork.of_chunk(100, 200)
+    assert model.estimate(work) == pytest.approx(true_cost(work), rel=1e-6)
+
+
+@pytest.mark.parametrize("seconds", [-0.001, math.nan])
+def test_bad_observation_raises_and_changes_nothing(seconds):
+    model = OnlineStepCost()
+    teach(model)
+    before = model.coefficients
+    with pytest.raises(ValueError, match="cannot take"):
+        model.observe(StepWork(4, 10), seconds)
+    assert model.coefficients == before
+
+
+def test_window_must_hold_the_observations_it_waits_for():
+    with pytest.raises(ValueError, match="min_observations"):
+        OnlineStepCost(window=2, min_observations=3)
+
+
+class Linear:
+    """A known cost: fixed + per_token * tokens + per_pair * pairs (seconds)."""
+
+    def __init__(self, fixed=0.01, per_token=0.001, per_pair=0.0):
+        self.terms = (fixed, per_token, per_pair)
+
+    def estimate(self, work):
+        fixed, per_token, per_pair = self.terms
+        return fixed + per_token * work.num_tokens + per_pair * work.num_attention_pairs
+
+    def observe(self, work, seconds):
+        raise AssertionError("a fixed model learns nothing")
+
+
+def test_budget_fits_the_chunk_to_the_time_left_after_the_decodes():
+    budget = StepTimeBudget(Linear(), limit_s=0.050, min_chunk=8, decodes=StepWork(4, 400))
+    # 10 ms fixed + 4 decode tokens = 14 ms; 36 more tokens fit in 50 ms
+    assert budget.fit_chunk(0, 500) == 36
+    assert budget.fit_chunk(0, 20) == 20  # a short chunk fits whole
+
+
+def test_budget_shrinks_chunks_at_long_context():
+    model = Linear(per_pair=1e-7)
+    near = StepTimeBudget(model, 0.050, 8, StepWork(4, 400)).fit_chunk(0, 500)
+    far = StepTimeBudget(model, 0.050, 8, StepWork(4, 400)).fit_chunk(8000, 500)
+    assert far < near
+    work = StepWork(4, 400) + StepWork.of_chunk(8000, far)
+    assert model.estimate(work) <= 0.050 < model.estimate(work + StepWork.of_chunk(8000 + far, 1))
+
+
+def test_first_chunk_gets_the_floor_and_later_ones_only_what_is_left():
+    budget = StepTimeBudget(Linear(), limit_s=0.015, min_chunk=8, decodes=StepWork(4, 400))
+    first = budget.fit_chunk(0, 500)
+    assert first == 8  # only 1 token fits in time; the floor keeps the prompt moving
+    budget.take_chunk(0, first)
+    assert budget.fit_chunk(0, 300) == 0
+
+
+def test_budget_is_off_without_decodes_or_limit_and_floors_while_unlearned():
+    assert StepTimeBudget(Linear(), 0.015, 8, StepWork()).fit_chunk(0, 500) == 500
+    assert StepTimeBudget(Linear(), None, 8, StepWork(4, 400)).fit_chunk(0, 500) == 500
+    assert StepTimeBudget(OnlineStepCost(), 0.5, 8, StepWork(4, 400)).fit_chunk(0, 500) == 8
+    assert StepTimeBudget(OnlineStepCost(), 0.5, 8, StepWork(4, 400), probe=True).fit_chunk(0, 500) == 16
