@@ -58,6 +58,7 @@ CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 def roofs(isa: str, threads: int, buffer_mib: int) -> dict:
     """The probe's JSON (int8 peak GOP/s and read GB/s, wall and per-thread CPU time), {} without a compiler."""
     cc = shutil.which(os.environ.get("CC", "cc"))
+    isa = "avx512" if isa.startswith("avx512") else isa  # avx512_amx: the same VNNI probe
     if cc is None or isa not in ISA_FLAGS:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
