@@ -1,6 +1,7 @@
-"""The quantized matmul kernels against the machine's roofs, on Llama-3.2-1B-shaped matrices.
+"""The quantized matmul kernels against the machine's roofs, on Llama-3.2-1B- or 3B-shaped matrices.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py                      # 1B shapes, T = 1 8 32 128 512
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py --shape 3b --tokens 1 8 32
     PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py --tokens 1 --threads 1 --clock cpu
 
 Roofs (benchmarks/roofline_probe.c, compiled here with the system C compiler and run with the same thread
@@ -8,7 +9,8 @@ count): the int8 dot-product peak (a tight loop of independent vpdpbusd, or AVX2
 add) and the read bandwidth (a STREAM-like sum over a buffer larger than the caches, --buffer-mib).
 
 Matrices: random Q4_0-style 4-bit weights, group 32, float16 scales, packed as the loader packs them:
-(N, K) = (2048, 2048) q/o, (8192, 2048) gate or up, (2048, 8192) down. For each matrix and T:
+(N, K) = (2048, 2048) q/o, (8192, 2048) gate or up, (2048, 8192) down; --shape 3b: (3072, 3072) q/o,
+(1024, 3072) k/v, (8192, 3072) gate or up, (3072, 8192) down. For each matrix and T:
   ms        median wall (or --clock cpu: the process's CPU) time of one call, over --repeat
   GFLOP/s   2 N K T / time (int16 activations run two int8 dot products per multiply-add: the peak
             for them is half the int8 peak)
@@ -42,7 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import ext  # noqa: E402
 from kernels.runtime import mx  # noqa: E402
 
-SHAPES_1B = {"q/o 2048x2048": (2048, 2048), "gate|up 8192x2048": (8192, 2048), "down 2048x8192": (2048, 8192)}
+SHAPES = {
+    "1b": {"q/o 2048x2048": (2048, 2048), "gate|up 8192x2048": (8192, 2048), "down 2048x8192": (2048, 8192)},
+    # Llama-3.2-3B: hidden 3072, 24 / 8 heads of 128 (k/v 1024 rows), ffn 8192
+    "3b": {"q/o 3072x3072": (3072, 3072), "k/v 1024x3072": (1024, 3072), "gate|up 8192x3072": (8192, 3072),
+           "down 3072x8192": (3072, 8192)},
+}
 PROBE = Path(__file__).with_name("roofline_probe.c")
 ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vnni"], "avx2": ["-mavx2", "-mfma"]}
 CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -51,6 +58,7 @@ CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 def roofs(isa: str, threads: int, buffer_mib: int) -> dict:
     """The probe's JSON (int8 peak GOP/s and read GB/s, wall and per-thread CPU time), {} without a compiler."""
     cc = shutil.which(os.environ.get("CC", "cc"))
+    isa = "avx512" if isa.startswith("avx512") else isa  # avx512_amx: the same VNNI probe
     if cc is None or isa not in ISA_FLAGS:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,6 +93,7 @@ def timed(fn, repeat: int, clock) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="Llama-3.2-1B or -3B matrices")
     parser.add_argument("--isa", default=None, help="kernel set (scalar, avx2, avx512; default: the best one)")
     parser.add_argument("--activations", type=int, choices=(8, 16), default=16)
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (METRALE_ATTENTION_THREADS)")
@@ -111,14 +120,15 @@ def main() -> None:
     clock = CLOCK[args.clock]
     rows = []
     weights = {}
-    for i, (name, (n, k)) in enumerate(SHAPES_1B.items()):
+    shapes = SHAPES[args.shape]
+    for i, (name, (n, k)) in enumerate(shapes.items()):
         copies = max(1, -(-args.model_mib * 2**20 // (n * k * 9 // 16)))  # 4.5 bits per weight
         weights[name] = [random_packed(n, k, 1000 * i + c) for c in range(copies)]
     print(f"kernels {isa}, int{args.activations} activations, {threads} threads, {args.clock} clock, "
           f"median of {args.repeat}")
     print(f"{'matrix':>20} {'T':>5} {'ms':>9} {'GFLOP/s':>8} {'GB/s':>7} {'best':>7}")
     for t in args.tokens:
-        for name, (n, k) in SHAPES_1B.items():
+        for name, (n, k) in shapes.items():
             x = mx.random.normal((t, k))
             mx.eval(x)
             turn = iter(range(1 << 30))

@@ -2,8 +2,10 @@
 
     .venv/bin/python benchmarks/step_profile.py --batch 1 --context 256            # default: quantized kernels
     .venv/bin/python benchmarks/step_profile.py --batch 32 --context 256 --dtype float32
+    .venv/bin/python benchmarks/step_profile.py --model /tmp/metrale-shapes/llama-1b-q4_0.gguf --batch 1
+                                                (a file from benchmarks/gguf_shapes_bench.py --write-only)
 
-Times, for the default model, `--batch` decodes of `--context` tokens each (best of --repeat):
+Times, for the default model (or --model), `--batch` decodes of `--context` tokens each (best of --repeat):
   step_ms        the full runner step (ModelRunner.execute)
   host_ms        the runner's host work before the model: step metadata and the token array
   graph_ms       building the step's lazy graph: the model's Python forward and compute_logits
@@ -138,14 +140,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--dtype", default="auto", help="EngineConfig.dtype: auto (quantized kernels) or float32")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--model", default=None, help="a GGUF file or model id (default: EngineConfig's)")
     args = parser.parse_args()
-    runner = ModelRunner.load(EngineConfig(kv_cache_bytes=512 << 20, dtype=args.dtype))
+    model = {"model": args.model} if args.model else {}
+    runner = ModelRunner.load(EngineConfig(kv_cache_bytes=512 << 20, dtype=args.dtype, **model))
     step = decode_step(runner, args.batch, args.context)
     full = best_of(lambda: runner.execute(step), args.repeat)
     parts = phases(runner, step, args.repeat)
     bound = matmul_bound(runner, args.batch, args.repeat)
     attn = attention_only(runner, args.batch, args.context, args.repeat)
-    result = {"batch": args.batch, "context": args.context, "dtype": args.dtype,
+    result = {"model": args.model or "default",
+              "batch": args.batch, "context": args.context, "dtype": args.dtype,
               "backends": select_backends().describe(), "cpu_isa": ext.cpu_isa(),
               "attention_backend": attention_backend(), "step_ms": round(full * 1e3, 2),
               **{k: round(v, 2) for k, v in parts.items()},

@@ -92,16 +92,21 @@ def test_matches_emulation_and_reference(isa, bits, gs, n, k, tokens, activation
 
 @needs_kernel
 @pytest.mark.parametrize("bits,gs", [(4, 32), (8, 128)])
-@pytest.mark.parametrize("tokens", [1, 7, 8, 9, 64, 100, 512])
+@pytest.mark.parametrize("tokens", [1, 7, 8, 9, 32, 64, 100, 512])
 @pytest.mark.parametrize("activation_bits", [8, 16])
-def test_token_blocks_match_emulation(isa, bits, gs, tokens, activation_bits):
-    """Prompt-chunk sizes at K = 4096: the activations of 512 tokens span several L2 token blocks of a task
-    (24 tokens at int16, 48 at int8), with partial tiles at the block and batch ends and a partial panel."""
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16])
+def test_token_blocks_match_emulation(isa, bits, gs, tokens, activation_bits, scale_dtype):
+    """Prompt-chunk and batched-decode sizes at K = 4096: the activations of 512 tokens span several L2
+    token blocks of a task (24 tokens at int16, 48 at int8), with partial tiles at the block and batch
+    ends and a partial panel; scales and biases stored as float32 or float16 (the GGUF case)."""
     rng = np.random.default_rng(tokens * 10 + bits + activation_bits)
     n, k = 40, 4096
     triple, w, q = random_weight(rng, n, k, bits, gs)
+    triple = (triple[0], *(a.astype(scale_dtype).astype(mx.float32) for a in triple[1:]))
+    packed = qmm.pack(*triple, bits, gs)
+    assert packed[1].dtype == scale_dtype
     x = rng.standard_normal((tokens, k)).astype(np.float32)
-    (out,) = run(x, qmm.pack(*triple, bits, gs), bits, gs, [n], activation_bits=activation_bits)
+    (out,) = run(x, packed, bits, gs, [n], activation_bits=activation_bits)
     emu = emulate(x, q, np.array(triple[1]), np.array(triple[2]), gs, activation_bits)
     assert np.all(np.abs(np.array(out) - emu) <= 1e-6 * (np.abs(x) @ np.abs(w).T) + 1e-6), f"{isa}: off the emulation"
 
