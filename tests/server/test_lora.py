@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import pytest_asyncio
 
-from metrale import AsyncEngine, EngineConfig, SamplingParams
+from metrale import SamplingParams
 from metrale.loading import load_model
 from metrale.server.app import ServerApp
 from metrale.errors import InvalidLoraAdapterError
@@ -18,6 +17,7 @@ from tests.metrale.engine_helpers import assert_clean, wait_idle
 from tests.metrale.lora_helpers import random_adapter, write_mlx_adapter, write_peft_adapter
 from tests.server.fakes import call
 from tests.server.serve import ServerProcess
+from tests.server.tiny_engine import engine  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.timeout(120)]
 ON_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
@@ -33,12 +33,6 @@ def adapters(tiny_model, tmp_path_factory) -> dict[str, str]:
             "B": str(write_peft_adapter(root / "B", random_adapter(model_config, 8, seed=2), rank=8, alpha=16.0))}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_model):
-    config = EngineConfig(model=tiny_model, kv_cache_bytes=2 << 20, block_size=4, max_num_seqs=16,
-                          max_num_batched_tokens=128)
-    async with AsyncEngine(config) as eng:
-        yield eng
 
 
 def completion(model: str) -> dict:
@@ -137,3 +131,21 @@ def test_served_with_lora_modules_in_the_engine_process(tiny_model, adapters):
         assert len(set(texts.values())) == 3
         status, reply = server.post_json("/v1/load_lora_adapter", {"lora_name": "C", "lora_path": adapters["A"]})
         assert status == 404  # no --enable-runtime-lora-updating
+
+
+@ON_MODULE_LOOP
+async def test_an_embedding_request_naming_an_adapter_is_refused(engine, adapters):
+    app = ServerApp(engine, manage_engine=False, task="embed", api_key="sk-test", enable_runtime_lora_updating=True)
+    r = await call(app, "POST", "/v1/load_lora_adapter", {"lora_name": "A", "lora_path": adapters["A"]}, KEY)
+    assert r.status == 200
+    try:
+        r = await call(app, "POST", "/v1/embeddings", {"model": "A", "input": "hello"}, KEY)
+        assert r.status == 400 and "LoRA adapter" in r.json()["error"]["message"]
+        r = await call(app, "POST", "/api/embed", {"model": "A", "input": "hello"}, KEY)
+        assert r.status == 400
+        r = await call(app, "POST", "/v1/embeddings", {"model": engine.model_name, "input": "hello"}, KEY)
+        assert r.status == 200 and len(r.json()["data"]) == 1  # the base model embeds
+    finally:
+        await call(app, "POST", "/v1/unload_lora_adapter", {"lora_name": "A"}, KEY)
+    await wait_idle(engine)
+    assert_clean(engine)
