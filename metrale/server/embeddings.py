@@ -33,7 +33,7 @@ from metrale.server.unknown_fields import UnknownFields
 PATH = "/v1/embeddings"
 OLLAMA_PATHS = ("/api/embed", "/api/embeddings")
 EMBEDDING_PATHS = (PATH, *OLLAMA_PATHS)
-_FIELDS = {"prompt": "input"}
+_FIELDS = {"prompt": "input"}  # the engine's parameter names as this route calls them
 _encode = msgspec.json.Encoder().encode
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 # what `embedding_inputs` accepts, as JSON Schema (msgspec cannot type a union of several list types)
@@ -41,7 +41,7 @@ Inputs = Annotated[Any, msgspec.Meta(extra_json_schema={"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_EMBED_INPUTS},
     _TOKEN_IDS,
-    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_EMBED_INPUTS}]})]  # the engine's parameter names as this route calls them
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_EMBED_INPUTS}]})]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
