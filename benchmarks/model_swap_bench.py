@@ -17,7 +17,6 @@ waits past --idle-unload-after; the last phase asks with Ollama's keep_alive 0. 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import statistics
 import sys
@@ -27,8 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # `peers`, as peer_matrix.py imports it
+
+import psutil  # noqa: E402
 
 from metrale.loading.default_model import default_model_path  # noqa: E402
+from peers.rss import tree_memory  # noqa: E402
 from tests.metrale.model_helpers import write_tiny_model  # noqa: E402
 from tests.server.serve import ServerProcess  # noqa: E402
 
@@ -66,19 +69,14 @@ def ttft(server: ServerProcess, model: str, ollama_keep_alive: float | None = No
 
 def tree_rss_bytes(pid: int) -> tuple[int, int]:
     """(RSS of `pid` and all its descendants, how many of them are engine processes)."""
-    total, engines, todo = 0, 0, [pid]
-    while todo:
-        current = todo.pop()
+    memory = tree_memory(pid)
+    engines = 0
+    for child in memory["processes"]:
         try:
-            status = Path(f"/proc/{current}/status").read_text()
-            cmdline = Path(f"/proc/{current}/cmdline").read_bytes()
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo += [int(child) for child in (task / "children").read_text().split()]
-        except FileNotFoundError:
+            engines += "metrale.engine.engine_process" in psutil.Process(int(child)).cmdline()
+        except psutil.NoSuchProcess:
             continue  # exited meanwhile
-        total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
-        engines += b"metrale.engine.engine_process" in cmdline
-    return total, engines
+    return memory["vmrss_bytes"], engines
 
 
 def resident(server: ServerProcess) -> list[str]:

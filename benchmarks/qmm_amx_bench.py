@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.qmm_roofline import SHAPES_1B, random_packed  # noqa: E402
+from benchmarks.qmm_roofline import SHAPES, random_packed  # noqa: E402
 from kernels import ext  # noqa: E402
 from kernels.runtime import mx  # noqa: E402
 
@@ -64,7 +64,7 @@ def main() -> None:
     rows = []
     print("| shape | T | " + " | ".join(v for v, _, _ in variants) + " |")
     print("|---|---:|" + "---:|" * len(variants))
-    for name, (n, k) in SHAPES_1B.items():
+    for name, (n, k) in SHAPES["1b"].items():
         q, s, b = random_packed(n, k, seed=n + k)
         for tokens in args.tokens:
             x = mx.random.normal((tokens, k), key=mx.random.key(tokens))

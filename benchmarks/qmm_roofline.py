@@ -32,15 +32,14 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.qmm_bench import CLOCK, timed  # noqa: E402
 from kernels import ext  # noqa: E402
 from kernels.runtime import mx  # noqa: E402
 
@@ -52,7 +51,6 @@ SHAPES = {
 }
 PROBE = Path(__file__).with_name("roofline_probe.c")
 ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vnni"], "avx2": ["-mavx2", "-mfma"]}
-CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def roofs(isa: str, threads: int, buffer_mib: int) -> dict:
@@ -77,17 +75,6 @@ def random_packed(n: int, k: int, seed: int) -> tuple[mx.array, mx.array, mx.arr
     biases = (-8 * scales).astype(mx.float16)
     mx.eval(q, scales, biases)
     return q, scales, biases
-
-
-def timed(fn, repeat: int, clock) -> tuple[float, float]:
-    """(median, fastest) seconds of fn over `repeat` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times), min(times)
 
 
 def main() -> None:
@@ -140,7 +127,7 @@ def main() -> None:
                     outs += ext.quantized_matmul(x, q, s, b, bits=4, group_size=32, columns=[n],
                                                  activation_bits=args.activations)
                 mx.eval(outs)
-            sec, fastest = (v / per_eval for v in timed(call, args.repeat, clock))
+            sec, fastest = (v * 1e-3 / per_eval for v in timed(call, args.repeat, clock))  # ms -> s
             nbytes = sum(a.nbytes for a in weights[name][0])
             row = {"matrix": name, "tokens": t, "ms": sec * 1e3, "gflops": 2 * n * k * t / sec * 1e-9,
                    "gbs": nbytes / sec * 1e-9, "gbs_best": nbytes / fastest * 1e-9}
