@@ -77,6 +77,8 @@ class Pooler:
 
     def plan(self, hidden: mx.array, scheduled: Sequence[ScheduledRequest], rows: Sequence[PoolingRow]) -> PooledStep:
         """hidden (T, D): the step's final hidden states, rows in scheduled order (drafts included)."""
+        if not rows:  # most steps: no embedding request scheduled
+            return PooledStep(self._kept, {}, [])
         by_id = {row.request_id: row for row in rows}
         updates: dict[str, tuple[mx.array, int]] = {}
         finals: list[tuple[str, mx.array]] = []

@@ -55,8 +55,7 @@ class StepStats:
         if times.first_token is None:  # the prompt is done: counted whole, once (a recompute is not counted)
             times.first_token = now
             self._ttfts.append(now - times.arrival)
-            self._num_prompt_tokens += state.num_prompt_tokens
-            self._num_cached_prompt_tokens += min(state.num_cached_tokens, state.num_prompt_tokens)
+            self._prompt_done(state)
         else:
             self._itls.append(now - times.last_token)
         times.last_token = now
@@ -67,8 +66,12 @@ class StepStats:
         times = state.times
         if times.first_token is None:
             times.first_token = times.last_token = now
-            self._num_prompt_tokens += state.num_prompt_tokens
-            self._num_cached_prompt_tokens += min(state.num_cached_tokens, state.num_prompt_tokens)
+            self._prompt_done(state)
+
+    def _prompt_done(self, state: RequestState) -> None:
+        """A request's prompt is computed: counted whole, and how much of it the prefix cache served."""
+        self._num_prompt_tokens += state.num_prompt_tokens
+        self._num_cached_prompt_tokens += min(state.num_cached_tokens, state.num_prompt_tokens)
 
     def end(self, output: SchedulerOutput) -> None:
         kv = self._scheduler.kv_cache_manager
