@@ -33,7 +33,7 @@ from metrale.server.unknown_fields import UnknownFields
 PATH = "/v1/embeddings"
 OLLAMA_PATHS = ("/api/embed", "/api/embeddings")
 EMBEDDING_PATHS = (PATH, *OLLAMA_PATHS)
-_FIELDS = {"prompt": "input"}
+_FIELDS = {"prompt": "input"}  # the engine's parameter names as this route calls them
 _encode = msgspec.json.Encoder().encode
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 # what `embedding_inputs` accepts, as JSON Schema (msgspec cannot type a union of several list types)
@@ -41,7 +41,7 @@ Inputs = Annotated[Any, msgspec.Meta(extra_json_schema={"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_EMBED_INPUTS},
     _TOKEN_IDS,
-    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_EMBED_INPUTS}]})]  # the engine's parameter names as this route calls them
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_EMBED_INPUTS}]})]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -81,6 +81,14 @@ def refuse_adapter(adapter: str | None, field: str = "model") -> None:
         raise bad_request(f"{adapter!r} is a LoRA adapter; embeddings run the base model only", field)
 
 
+def pooling_params(**fields: Any) -> PoolingParams:
+    """PoolingParams(**fields); a 400 naming the bad field (e.g. dimensions 0) instead of a ValueError."""
+    try:
+        return PoolingParams(**fields)
+    except ValueError as error:
+        raise bad_request(str(error), getattr(error, "field", None)) from error
+
+
 def _is_token_id(value: Any) -> bool:
     return type(value) is int
 
@@ -111,11 +119,8 @@ async def handle(models: ModelResolver, body: bytes, send: Send, receive: Receiv
     refuse_adapter(target.adapter)
     engine, model = target.engine, target.model_id
     inputs = embedding_inputs(request.input)
-    try:
-        params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions,
-                               truncate_prompt_tokens=request.truncate_prompt_tokens)
-    except ValueError as error:
-        raise bad_request(str(error), getattr(error, "field", None)) from error
+    params = pooling_params(normalize=request.normalize, dimensions=request.dimensions,
+                            truncate_prompt_tokens=request.truncate_prompt_tokens)
     results = await run_embeddings(engine, inputs, params, receive, request_id)
     if results is None:
         return

@@ -29,7 +29,6 @@ import msgspec
 
 from metrale.errors import RequestFailedError
 from metrale.outputs import RequestOutput
-from metrale.pooling_params import PoolingParams
 from metrale.server import chat_output, completions, embeddings, protocol
 from metrale.server import ollama_protocol as op
 from metrale.server.asgi import Receive, Send, run_until_disconnect, send_bytes, send_json
@@ -120,12 +119,12 @@ async def _embed(models: ModelResolver, path: str, body: bytes, send: Send, rece
     texts = [text for text in texts if text]  # Ollama answers an empty input with no embeddings
     if texts:
         inputs = embeddings.embedding_inputs(texts)
+        params = embeddings.pooling_params(normalize=not legacy, dimensions=None if legacy else request.dimensions)
         truncate = legacy or request.truncate
         with completions.engine_errors({"prompt": "input"}):
             ids = [await engine.prompt_token_ids(text) for text in inputs]  # bounded by embedding_inputs
         if truncate:  # Ollama keeps the start of a long input
             ids = [prompt_ids[:engine.max_model_len - 1] for prompt_ids in ids]
-        params = PoolingParams(normalize=not legacy, dimensions=None if legacy else request.dimensions)
         results = await embeddings.run_embeddings(engine, ids, params, receive, request_id)
         if results is None:
             return

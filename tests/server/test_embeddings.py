@@ -125,6 +125,13 @@ async def test_ollama_truncate(app, engine):  # noqa: F811
     await clean(engine)
 
 
+async def test_ollama_embed_bad_dimensions_is_a_400_that_queues_nothing(app, engine):  # noqa: F811
+    steps = engine.stats().num_steps
+    r = await call(app, "POST", "/api/embed", {"model": engine.model_name, "input": "x", "dimensions": 0})
+    assert r.status == 400 and "dimensions must be an int >= 1" in r.json()["error"]
+    assert engine.stats().num_steps == steps
+
+
 async def test_a_disconnect_aborts_every_input_and_frees_its_blocks(app, engine):  # noqa: F811
     raw = msgspec.json.encode({"input": [[5 + i % 50] * 400 for i in range(64)]})
     scope = {"type": "http", "method": "POST", "path": PATH,
