@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from kernels import ext
 from kernels.backend import activation_bits_for, matmul_activation_bits
-from kernels.qmm import GLU_KINDS, _exact_in_float16, pack, supports
+from kernels.qmm import GLU_KINDS, _exact_in_float16, _precision, pack, supports
 from kernels.runtime import mx, nn
 
 __all__ = ["QuantizedSwitchGLUCPU", "gather_quantized_matmul", "has_moe_kernels", "pack_experts"]
@@ -117,4 +117,4 @@ class QuantizedSwitchGLUCPU(nn.Module):
     def _extra_repr(self) -> str:
         return (f"experts={self.num_experts}, dims={self.dims}, intermediate={self.intermediate}, bits={self.bits}, "
                 f"group_size={self.group_size}, act={self.hidden_act}, "
-                f"activations={f'int{self.activation_bits}' if self.activation_bits else 'auto'}")
+                f"activations={_precision(self.activation_bits)}")

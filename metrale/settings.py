@@ -38,10 +38,12 @@ ENVIRONMENT = (
              "(SwiGLU, GeGLU), fused RMSNorm and RoPE"),
     Variable("METRALE_MATMUL", "kernels.matmul", "auto", "auto, kernel or reference: quantized linear layers "
              "through the CPU kernels (reference: MLX's quantized_matmul; on CPU the loader then dequantizes)"),
-    Variable("METRALE_QMM_ACTIVATIONS", "kernels.qmm_activations", "int16", "int16 or int8: activation precision "
-             "of the quantized matmul kernels (int8 is faster and flips some greedy tokens)"),
-    Variable("METRALE_CPU_ISA", "kernels.cpu_isa", "auto", "auto, scalar, avx2 or avx512: force the kernels' "
-             "instruction set (a set the CPU lacks refuses the kernels, with the reason); process-wide"),
+    Variable("METRALE_QMM_ACTIVATIONS", "kernels.qmm_activations", "int16", "int16, int8, or auto (int8 for "
+             "calls of 16+ token rows: prompt chunks): activation precision of the quantized matmul kernels (int8 "
+             "is faster and flips some greedy tokens; auto also makes outputs depend on batching)"),
+    Variable("METRALE_CPU_ISA", "kernels.cpu_isa", "auto", "auto, scalar, avx2, avx512 or avx512_amx "
+             "(AMX int8 tiles for prompt chunks; avx512 turns them off): force the kernels' instruction set (a set the "
+             "CPU lacks refuses the kernels, with the reason); process-wide"),
     Variable("METRALE_OPENBLAS", "kernels.openblas", "(search)", "path of libopenblas.so.0 to preload before "
              "mlx, or none; process-wide, read when mlx is first imported"),
     Variable("METRALE_ATTENTION_THREADS", "kernels.attention_threads", "(CPUs)", "threads of the CPU kernels; "
@@ -52,7 +54,8 @@ ENVIRONMENT = (
              "(metrale/failpoints.py); EngineConfig.failpoints wins"),
     Variable("METRALE_TP_STEP_TIMEOUT_S", "tp_step_timeout_s", "120", "seconds a tensor-parallel step may run "
              "before the group is declared dead"),
-    Variable("METRALE_LOG_LEVEL", "log_level", "INFO", "log level of the tensor-parallel follower ranks"),
+    Variable("METRALE_LOG_LEVEL", "log_level", "INFO", "log level of the tensor-parallel follower ranks "
+             "(the engine process logs at the server's `--log-level`, handed to it on its command line)"),
     Variable("METRALE_API_KEY", "api_key", "(none)", "the server's bearer token when --api-key is not given"),
 )
 

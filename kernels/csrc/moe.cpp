@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -16,24 +15,12 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "parallel.h"
+#include "qmm_common.h"
 #include "row_major.h"
 
 namespace metrale {
 
 namespace {
-
-constexpr int64_t kMinParallelBytes = 256 << 10;  // as qmm.cpp: below this, one thread
-constexpr int64_t kPanelsPerTask = 4;
-constexpr int64_t kActivationBlockBytes = 192 << 10;
-constexpr int64_t kRowsPerQuantizeTask = 16;
-
-std::string shape_str(const mx::array& a) {
-  std::ostringstream os;
-  os << a.shape() << " " << a.dtype();
-  return os.str();
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("gather_quantized_matmul: " + msg); }
 

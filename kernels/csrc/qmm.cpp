@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -16,26 +15,12 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "parallel.h"
+#include "qmm_common.h"
 #include "row_major.h"
 
 namespace metrale {
 
 namespace {
-
-// Threads pay once a call streams this many weight bytes per token tile (a pool worker wakes
-// ~50 us late on the 2-core dev VM; 256 KiB of weights take about that long on one core).
-constexpr int64_t kMinParallelBytes = 256 << 10;
-constexpr int64_t kPanelsPerTask = 4;
-constexpr int64_t kActivationBlockBytes = 192 << 10;  // quantized activations per task: half of a 1-2 MiB L2
-constexpr int64_t kRowsPerQuantizeTask = 16;
-
-std::string shape_str(const mx::array& a) {
-  std::ostringstream os;
-  os << a.shape() << " " << a.dtype();
-  return os.str();
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 [[noreturn]] void fail(const std::string& fn, const std::string& msg) {
   throw std::invalid_argument(fn + ": " + msg);

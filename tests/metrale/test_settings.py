@@ -50,8 +50,9 @@ def test_a_bad_value_names_its_variable(variable, value):
 
 
 def test_the_docs_table_is_the_code_table():
-    rows = re.findall(r"^\| `(METRALE_\w+)` \| `([\w.]+)` \|", (ROOT / "docs/settings.md").read_text(), re.M)
-    assert rows == [(v.name, v.setting) for v in ENVIRONMENT]
+    table = (ROOT / "docs/settings.md").read_text()
+    rows = re.findall(r"^\| `(METRALE_\w+)` \| `([\w.]+)` \| (.*?) \| (.*) \|$", table, re.M)
+    assert rows == [(v.name, v.setting, v.default, v.meaning) for v in ENVIRONMENT]
     fields = {f"kernels.{name}" for name in KernelSettings.__dataclass_fields__} | set(
         RuntimeSettings.__dataclass_fields__) - {"kernels"}
     assert {v.setting for v in ENVIRONMENT} == fields  # every setting has its variable, and no other
