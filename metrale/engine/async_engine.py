@@ -124,7 +124,7 @@ class AsyncEngine:
         text = TextFrontEnd.for_tokenizer(tokenizer, facts.architecture, facts.vocab_size, self._max_model_len,
                                           self._failpoints)
         self._submission = Submission(text, client, facts, self._streams, self._max_model_len, self.abort)
-        self._loras = LoraAdapters(facts, self.config.max_lora_rank)
+        self._loras = LoraAdapters(facts, self.config.max_lora_rank, self.config.max_lora_adapters)
         if self._failpoints:
             logger.warning("failpoints armed: %s", self._failpoints.points)
         self.metrics.set_info(model=self.model_name, dtype=facts.dtype_name, kv_blocks=str(facts.kv_blocks),

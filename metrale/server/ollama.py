@@ -82,6 +82,7 @@ async def handle(models: ModelResolver, method: str, path: str, body: bytes, sen
         if not chat and not ollama_request.prompt and not ollama_request.system:
             return await _load_or_unload(models, ollama_request, send)
         request = op.chat_request(ollama_request) if chat else op.generate_request(ollama_request)
+        completions.check_before_loading(models, request, None)
         target = await models.resolve(request.model, keep_alive=keep_alive(ollama_request.keep_alive))
         call, stream = await completions.open_stream(target, request, default_max_tokens=None,
                                                      request_id=request_id, tool_call_format=tool_call_format,
