@@ -189,6 +189,25 @@ async def test_a_hung_engine_process_is_killed_failing_what_was_in_flight_and_co
         os.kill(old_pid, 0)  # killed and reaped, not left stopped
 
 
+async def test_a_step_stuck_in_the_engine_process_is_killed_while_its_loop_still_beats(tiny_model):
+    settings = RuntimeSettings.resolve(environ={}).replace(engine_hang_timeout_s=2.0)
+    hung = config(tiny_model, True, failpoints="execute=hang@victim")  # the MLX thread blocks in that step
+    async with AsyncEngine(hung, settings=settings) as engine:
+        client = engine._client
+        old_pid = client._proc.pid
+        streams = await streams_under_way(engine, 2)
+        victim = engine.generate(PROMPTS[2], GREEDY, request_id="victim")
+        errors = [await asyncio.wait_for(ends_with_an_error(s), 60) for s in (*streams, victim)]
+        assert all("the engine process died (hung: a step has run for" in str(error) for error in errors), errors
+        assert 'metrale_engine_hangs_total{model_name="tiny"} 1.0' in engine.metrics_exposition().decode()
+        while engine.health() != "serving":
+            await asyncio.sleep(0.05)
+        assert client._proc.pid != old_pid
+        assert (await collect(engine.generate(PROMPTS[1], GREEDY)))[2] == "length"
+        await wait_idle(engine)
+        assert_clean(engine)
+
+
 async def test_a_spent_restart_budget_is_final(tiny_model):
     async with AsyncEngine(config(tiny_model, True, max_engine_restarts=0)) as engine:
         (stream,) = await streams_under_way(engine, 1)
