@@ -138,6 +138,19 @@ async def test_ollama_truncate_keeps_the_start_of_a_text_longer_than_the_context
     await clean(engine)
 
 
+async def test_truncate_prompt_tokens_keeps_the_end_of_a_text_longer_than_the_context_can_hold(app, engine):  # noqa: F811
+    words = " ".join(f"w{i % 89}" for i in range(engine.max_model_len * 40))
+    assert len(words) > engine._submission.inputs.max_prompt_chars  # refused before: it cannot fit untruncated
+    r = await call(app, "POST", PATH, {"input": words, "truncate_prompt_tokens": -1})
+    assert r.status == 200 and r.json()["usage"]["prompt_tokens"] == engine.max_model_len - 1
+    end = engine.tokenizer.encode(words, add_special_tokens=True)[-(engine.max_model_len - 1):]
+    whole = (await call(app, "POST", PATH, {"input": end})).json()["data"][0]["embedding"]
+    assert r.json()["data"][0]["embedding"] == pytest.approx(whole, abs=1e-5)
+    r = await call(app, "POST", PATH, {"input": words})
+    assert r.status == 400 and "cannot fit in max_model_len tokens" in r.json()["error"]["message"]
+    await clean(engine)
+
+
 async def test_ollama_embed_tokenizes_many_inputs_on_the_tokenize_thread(app, engine, monkeypatch):  # noqa: F811
     threads: list[str] = []
     real_encode = engine.tokenizer.encode
