@@ -60,6 +60,8 @@ class EngineConfig:
         `dimensions` (refused otherwise, as vLLM refuses it).
     max_lora_rank: the largest LoRA adapter rank the engine loads (1..512); how many adapters run at once is
         the scheduler's max_loras.
+    max_lora_adapters: how many LoRA adapters may be registered at once (`add_lora`, the server's --lora-modules
+        and /v1/load_lora_adapter together); one more is refused, naming this limit, before its folder is read.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
         max_waiting, policy, block_size, enable_prefix_caching, max_loras, max_step_ms, min_prefill_chunk);
         max_model_len None takes the model's context length, capped at 8192, when the engine starts.
@@ -79,6 +81,7 @@ class EngineConfig:
     pooling: str = "last"
     matryoshka: bool = False
     max_lora_rank: int = 64
+    max_lora_adapters: int = 256
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
@@ -132,5 +135,8 @@ class EngineConfig:
         rank = self.max_lora_rank
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 512:
             raise ValueError(f"EngineConfig.max_lora_rank must be an int in 1..512, got {rank!r}")
+        adapters = self.max_lora_adapters
+        if not isinstance(adapters, int) or isinstance(adapters, bool) or adapters < 1:
+            raise ValueError(f"EngineConfig.max_lora_adapters must be an int >= 1, got {adapters!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

@@ -5,8 +5,10 @@ metrale.settings.RuntimeSettings.failpoints holds the choice):
 
     METRALE_FAILPOINTS="detokenize=0.01,execute=@victim"
 
-a comma-separated list of `name=P` (raise with probability P each time the point is passed) or
-`name=@REQUEST_ID` (raise whenever the point is passed for that request). The points:
+a comma-separated list of `name=P` (raise with probability P each time the point is passed),
+`name=@REQUEST_ID` (raise whenever the point is passed for that request) or `name=hang@REQUEST_ID` (block the
+thread there, as a native call that never returns would, until `disarm`; e.g. execute=hang@id stalls the MLX
+thread in a step). The points:
 
     tokenize     encoding a prompt or rendering chat messages       (submit: the caller gets the error)
     schedule     planning a step                                   (per step, before the scheduler runs)
@@ -23,6 +25,7 @@ A raised fault is an `InjectedFault` (a RuntimeError). Unset, the engine holds `
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -42,10 +45,11 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class Failpoint:
-    """One armed point: a probability, or the request ids it always fires for."""
+    """One armed point: a probability, or the request ids it always fires for (or hangs for)."""
 
     probability: float = 0.0
     request_ids: frozenset[str] = frozenset()
+    hang_ids: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Failpoints:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        self._released = threading.Event()  # set by disarm: a hung point returns
 
     @classmethod
     def parse(cls, spec: str, seed: int | None = None) -> "Failpoints":
@@ -69,12 +74,15 @@ class Failpoints:
             name, sep, value = entry.partition("=")
             name = name.strip()
             if not sep or name not in POINTS:
-                raise ValueError(f"{ENV}: bad entry {entry!r}; expected name=P or name=@REQUEST_ID with name in "
-                                 f"{', '.join(POINTS)}")
+                raise ValueError(f"{ENV}: bad entry {entry!r}; expected name=P, name=@REQUEST_ID or "
+                                 f"name=hang@REQUEST_ID with name in {', '.join(POINTS)}")
             current = points.get(name, Failpoint())
             value = value.strip()
             if value.startswith("@") and len(value) > 1:
-                points[name] = Failpoint(current.probability, current.request_ids | {value[1:]})
+                points[name] = Failpoint(current.probability, current.request_ids | {value[1:]}, current.hang_ids)
+                continue
+            if value.startswith("hang@") and len(value) > 5:
+                points[name] = Failpoint(current.probability, current.request_ids, current.hang_ids | {value[5:]})
                 continue
             try:
                 probability = float(value)
@@ -82,7 +90,7 @@ class Failpoints:
                 probability = -1.0
             if not 0.0 <= probability <= 1.0:
                 raise ValueError(f"{ENV}: {entry!r}: the probability must be a number in [0, 1]")
-            points[name] = Failpoint(probability, current.request_ids)
+            points[name] = Failpoint(probability, current.request_ids, current.hang_ids)
         return cls(points, seed)
 
     @classmethod
@@ -94,13 +102,19 @@ class Failpoints:
         return bool(self.points)
 
     def disarm(self) -> None:
-        """No point fires from now on (`fired` keeps its counts)."""
+        """No point fires from now on (`fired` keeps its counts); a point hanging now returns."""
         self.points.clear()
+        self._released.set()
 
     def check(self, point: str, request_id: str | None = None) -> None:
-        """Raise InjectedFault if `point` fires now (for `request_id`, when given)."""
+        """Raise InjectedFault if `point` fires now (for `request_id`, when given); block until `disarm` if it
+        hangs for `request_id`."""
         armed = self.points.get(point)
         if armed is None:
+            return
+        if request_id is not None and request_id in armed.hang_ids:
+            self.fired[point] = self.fired.get(point, 0) + 1
+            self._released.wait()
             return
         if (request_id is not None and request_id in armed.request_ids) or (
                 armed.probability and self._rng.random() < armed.probability):
@@ -113,7 +127,7 @@ class Failpoints:
         if armed is None:
             return
         for request_id in request_ids:
-            if request_id in armed.request_ids:
+            if request_id in armed.request_ids or request_id in armed.hang_ids:
                 self.check(point, request_id)
         self.check(point)
 

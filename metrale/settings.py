@@ -19,6 +19,7 @@ from kernels.settings import KernelSettings, environ_number
 from metrale.config import EngineConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MIN_ENGINE_HANG_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,9 @@ ENVIRONMENT = (
              "(metrale/failpoints.py); EngineConfig.failpoints wins"),
     Variable("METRALE_TP_STEP_TIMEOUT_S", "tp_step_timeout_s", "120", "seconds a tensor-parallel step may run "
              "before the group is declared dead"),
+    Variable("METRALE_ENGINE_HANG_TIMEOUT_S", "engine_hang_timeout_s", "300", "seconds an engine process may "
+             "send no heartbeat, or run one step (and 50 times its mean step), before it is killed and restarted, "
+             "failing the requests in flight (at least 1)"),
     Variable("METRALE_LOG_LEVEL", "log_level", "INFO", "log level of the tensor-parallel follower ranks "
              "(the engine process logs at the server's `--log-level`, handed to it on its command line)"),
     Variable("METRALE_API_KEY", "api_key", "(none)", "the server's bearer token when --api-key is not given"),
@@ -67,6 +71,7 @@ class RuntimeSettings:
     kernels: KernelSettings = field(default_factory=KernelSettings)
     failpoints: str = ""
     tp_step_timeout_s: float = 120.0
+    engine_hang_timeout_s: float = 300.0
     log_level: str = "INFO"
     api_key: str | None = None
 
@@ -75,6 +80,9 @@ class RuntimeSettings:
             raise ValueError(f"failpoints must be a string, got {self.failpoints!r}")
         if not self.tp_step_timeout_s > 0:
             raise ValueError(f"METRALE_TP_STEP_TIMEOUT_S must be > 0, got {self.tp_step_timeout_s!r}")
+        if not self.engine_hang_timeout_s >= MIN_ENGINE_HANG_TIMEOUT_S:  # the child beats twice a second
+            raise ValueError(f"METRALE_ENGINE_HANG_TIMEOUT_S must be >= {MIN_ENGINE_HANG_TIMEOUT_S:g}, "
+                             f"got {self.engine_hang_timeout_s!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"METRALE_LOG_LEVEL={self.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
 
@@ -87,8 +95,10 @@ class RuntimeSettings:
         failpoints = config.failpoints if config is not None and config.failpoints is not None \
             else env.get("METRALE_FAILPOINTS", "")
         timeout_s = environ_number(env, "METRALE_TP_STEP_TIMEOUT_S", float)
+        hang_timeout_s = environ_number(env, "METRALE_ENGINE_HANG_TIMEOUT_S", float)
         return cls(kernels=KernelSettings.from_environ(env), failpoints=failpoints,
                    tp_step_timeout_s=120.0 if timeout_s is None else timeout_s,
+                   engine_hang_timeout_s=300.0 if hang_timeout_s is None else hang_timeout_s,
                    log_level=(env.get("METRALE_LOG_LEVEL") or "INFO").upper(),
                    api_key=api_key or env.get("METRALE_API_KEY") or None)
 

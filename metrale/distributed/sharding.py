@@ -9,6 +9,9 @@ Per decoder layer, with N ranks and this rank r:
                                        added across the group (one all_sum each, in the model's forward)
     embed_tokens, lm_head, norms       kept whole on every rank
 
+Mixture-of-experts layers (qwen3_moe, Mixtral: mlp.gate and mlp.switch_mlp's stacked experts) are refused with
+a ValueError naming them, as is any layer that lacks one of the tensors above.
+
 So each rank computes attention for its own heads and caches only its own kv heads (its paged pool
 is 1/N of the unsharded one, with the same block tables), and a layer costs two all_sums.
 
@@ -34,9 +37,15 @@ _COLUMN_SPLIT = (("self_attn", "o_proj"), ("mlp", "down_proj"))
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """ValueError naming the numbers unless `size` ranks split the model's heads, kv heads and MLP
-    width evenly."""
+    width evenly; a mixture-of-experts model is refused."""
     if size == 1:
         return
+    if config.num_experts:
+        raise ValueError(
+            f"tensor parallelism of mixture-of-experts models is not supported: model.layers.0.mlp is a routed "
+            f"block of {config.num_experts} experts (mlp.gate, mlp.switch_mlp.gate_proj / up_proj / down_proj of "
+            f"shape (experts, out, in)), which this sharding does not split; run {config.architecture} with "
+            f"tensor_parallel_size 1")
     parts = {"attention heads": config.num_attention_heads, "key/value heads": config.num_key_value_heads,
              "MLP features (intermediate_size)": config.intermediate_size}
     uneven = [f"{count} {what}" for what, count in parts.items() if count % size]
@@ -56,15 +65,26 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
     check_tensor_parallel(model.config, size)
     for index, layer in enumerate(model.model.layers):
         for block, name in _ROW_SPLIT:
-            _split(layer[block], name, axis=0, size=size, rank=rank)
+            _split(_child(layer, index, block, name), name, axis=0, size=size, rank=rank)
         for block, name in _COLUMN_SPLIT:
-            _split(layer[block], name, axis=1, size=size, rank=rank, where=f"layer {index}")
+            _split(_child(layer, index, block, name), name, axis=1, size=size, rank=rank, where=f"layer {index}")
         attention = layer.self_attn
         attention.n_heads //= size
         attention.n_kv_heads //= size
         attention.tp_group = group
         layer.mlp.tp_group = group
     mx.eval(model.parameters())  # the full copies are freed here
+
+
+def _child(layer: nn.Module, index: int, block: str, name: str) -> nn.Module:
+    """layer.<block>, the module holding <name>; a ValueError naming the tensor when the layout lacks it."""
+    parent = layer.get(block) if isinstance(layer.get(block), nn.Module) else None
+    if parent is None or name not in parent:
+        held = ", ".join(sorted(parent.children())) if parent is not None else "nothing"
+        raise ValueError(f"tensor parallelism cannot shard model.layers.{index}.{block}.{name}: the layer has no "
+                         f"such tensor (its {block} holds {held}); only llama-shaped q/k/v/o and "
+                         f"gate/up/down projections are split")
+    return parent
 
 
 def _split(parent: nn.Module, name: str, *, axis: int, size: int, rank: int, where: str = "") -> None:

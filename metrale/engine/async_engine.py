@@ -24,6 +24,7 @@ from metrale.config import EngineConfig
 from metrale.engine.core import EngineCore
 from metrale.engine.core_host import LocalCore
 from metrale.engine.engine_client import EngineProcess
+from metrale.engine.hang_watch import WATCHDOG_FACTOR, WATCHDOG_MIN_S
 from metrale.engine.ipc import ModelFacts, TokenizerSpec
 from metrale.engine.lora_registry import LoraAdapters
 from metrale.engine.metrics import EngineMetrics
@@ -47,8 +48,6 @@ from metrale.text.reasoning import detect_reasoning
 from scheduler import LoraRef
 
 logger = logging.getLogger(__name__)
-WATCHDOG_MIN_S = 60.0  # a step running longer than this and WATCHDOG_FACTOR x the mean step is stuck
-WATCHDOG_FACTOR = 50.0
 
 
 class AsyncEngine:
@@ -99,7 +98,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         try:
             if self.config.engine_process:
-                client = EngineProcess(self.config, self.metrics, self.config.max_engine_restarts)
+                client = EngineProcess(self.config, self.metrics, self.config.max_engine_restarts,
+                                       self.settings.engine_hang_timeout_s)
                 ready = await client.start()
                 tokenizer, facts, self._max_model_len = _tokenizer(ready.tokenizer), ready.facts, ready.max_model_len
                 client.on_death = self._on_engine_death
@@ -124,7 +124,7 @@ class AsyncEngine:
         text = TextFrontEnd.for_tokenizer(tokenizer, facts.architecture, facts.vocab_size, self._max_model_len,
                                           self._failpoints)
         self._submission = Submission(text, client, facts, self._streams, self._max_model_len, self.abort)
-        self._loras = LoraAdapters(facts, self.config.max_lora_rank)
+        self._loras = LoraAdapters(facts, self.config.max_lora_rank, self.config.max_lora_adapters)
         if self._failpoints:
             logger.warning("failpoints armed: %s", self._failpoints.points)
         self.metrics.set_info(model=self.model_name, dtype=facts.dtype_name, kv_blocks=str(facts.kv_blocks),

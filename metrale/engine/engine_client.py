@@ -10,6 +10,10 @@ every open request ends with an error (`on_death`), new submissions raise Engine
 with Retry-After) while a new child starts with the same config after a backoff, and `metrale_engine_
 restarts_total` counts it. More than `max_restarts` deaths within RESTART_WINDOW_S is final: `dead`
 is set and `wait_until_dead` returns it (`metrale serve` then exits 1).
+
+A child that is alive but hung (stopped, stuck in a native call) closes nothing: the hang watch
+(metrale.engine.hang_watch) notices its missing heartbeat or its stuck step within `hang_timeout_s`, kills it
+(`metrale_engine_hangs_total` counts it), and the death above follows: the same errors, the same restart.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import msgspec
 from kvcache.manager import KVCacheManager
 from metrale.config import EngineConfig
 from metrale.engine import ipc
+from metrale.engine.hang_watch import CHECK_INTERVAL_S, HangWatch
 from metrale.engine.metrics import EngineMetrics
 from metrale.engine.step import EngineOutput, RowError
 from metrale.pooling_params import PoolingParams
@@ -58,10 +63,12 @@ def describe_exit(returncode: int | None) -> str:
 class EngineProcess:
     """Starts, talks to and restarts the engine process; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, metrics: EngineMetrics, max_restarts: int) -> None:
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics, max_restarts: int,
+                 hang_timeout_s: float = 300.0) -> None:
         self.config = config
         self.metrics = metrics
         self.max_restarts = max_restarts
+        self.hang_timeout_s = hang_timeout_s
         self.on_outputs: Callable[[list[EngineOutput]], None] | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # every open request ends with this error
         self.dead: BaseException | None = None  # final: no more restarts
@@ -71,6 +78,8 @@ class EngineProcess:
         self.max_model_len = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._hang: str | None = None  # why the hang watch killed the current child
         self._deaths: collections.deque[float] = collections.deque()
         self._compiles: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -108,7 +117,9 @@ class EngineProcess:
         if not isinstance(message, ipc.Ready):
             raise RuntimeError(f"the engine process said {type(message).__name__} before Ready")
         self.stats = message.stats
-        self._reader = asyncio.create_task(self._read_loop(proc), name="metrale-engine-outputs")
+        watch = HangWatch(self.hang_timeout_s, time.monotonic())
+        self._reader = asyncio.create_task(self._read_loop(proc, watch), name="metrale-engine-outputs")
+        self._watchdog = asyncio.create_task(self._watch(proc, watch), name="metrale-engine-hang-watch")
         logger.info("engine process %d serving", proc.pid)
         return message
 
@@ -117,10 +128,12 @@ class EngineProcess:
         header = await proc.stdout.readexactly(ipc.HEADER.size)
         return ipc.TO_FRONT.decode(await proc.stdout.readexactly(ipc.body_length(header)))
 
-    async def _read_loop(self, proc: asyncio.subprocess.Process) -> None:
+    async def _read_loop(self, proc: asyncio.subprocess.Process, watch: HangWatch) -> None:
         try:
             while True:
-                self._dispatch(await self._read(proc))
+                message = await self._read(proc)
+                watch.frame(message, time.monotonic())
+                self._dispatch(message)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:  # a frame this side cannot handle: the pipe cannot be trusted any more
@@ -129,6 +142,18 @@ class EngineProcess:
         await proc.wait()
         if not self._closing:
             await self._on_exit(proc)
+
+    async def _watch(self, proc: asyncio.subprocess.Process, watch: HangWatch) -> None:
+        """Kill the child when the hang watch says it is hung; its reader then sees it die (`_on_exit`)."""
+        while proc.returncode is None and not self._closing:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            reason = watch.check(time.monotonic())
+            if reason is not None and proc.returncode is None and not self._closing:
+                self._hang = reason
+                logger.error("engine process %d hung: %s; killing it", proc.pid, reason)
+                self.metrics.record_engine_hang()
+                proc.kill()
+                return
 
     def _dispatch(self, message) -> None:
         if isinstance(message, ipc.Outputs):
@@ -154,7 +179,9 @@ class EngineProcess:
 
     async def _on_exit(self, proc: asyncio.subprocess.Process) -> None:
         """The child died: end what was open, then restart it (or give up)."""
-        error = EngineDeadError(f"the engine process died ({describe_exit(proc.returncode)})")
+        hang, self._hang = self._hang, None
+        cause = describe_exit(proc.returncode) if hang is None else f"hung: {hang}; {describe_exit(proc.returncode)}"
+        error = EngineDeadError(f"the engine process died ({cause})")
         logger.error("%s; %d requests in flight end with an error", error, self.stats.num_unfinished)
         self.restarting = True
         self.stats = ipc.CoreStats(kv_blocks_total=self.stats.kv_blocks_total,
@@ -195,6 +222,9 @@ class EngineProcess:
         self._closing = True
         while True:
             proc, reader = self._proc, self._reader
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                await asyncio.wait([self._watchdog])
             if proc is not None and proc.returncode is None:
                 proc.stdin.close()
                 try:

@@ -3,7 +3,9 @@
 a native crash here (a kernel, llguidance, an OOM kill) ends this process only.
 
     stdin   frames from the front-end (metrale.engine.ipc): Start, then Add | Abort | Finish | AbortAll | Compile
-    stdout  frames to it: Ready (or StartFailed), then Outputs per step | Compiled
+    stdout  frames to it: Ready (or StartFailed), then Outputs per step | Compiled | Heartbeat (every
+            HEARTBEAT_INTERVAL_S, from the event loop, with the age of the step in flight: a child that stops
+            beating, or whose step runs far too long, is killed and restarted: metrale.engine.hang_watch)
     stderr  logs (stray prints go there too: stdout is the frame channel)
 
 The end of stdin (the front-end closed it, or died) shuts the engine down. The loop dying (the core
@@ -18,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, BinaryIO
 
 from metrale.config import EngineConfig
@@ -133,6 +136,18 @@ class EngineServer:
             error = RowError.of(failure)
         self.send(ipc.Compiled(message.call_id, error))
 
+    async def beat(self) -> None:
+        """A Heartbeat every HEARTBEAT_INTERVAL_S while the event loop runs (the front-end's hang watch)."""
+        core = self.host.core
+        while True:
+            await asyncio.sleep(ipc.HEARTBEAT_INTERVAL_S)
+            started = core.step_started
+            try:
+                self.send(ipc.Heartbeat(None if started is None else time.monotonic() - started, core.mean_step_s))
+            except BrokenPipeError:  # the front-end is gone: the end of stdin stops this process next
+                logger.warning("the front-end closed the pipe; heartbeats stop")
+                return
+
     def read_inbox(self, inbox: BinaryIO, loop: asyncio.AbstractEventLoop) -> None:
         """The reader thread: every message to the loop; the end of stdin stops the engine."""
         try:
@@ -154,9 +169,12 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         threading.Thread(target=self.read_inbox, args=(inbox, loop), name="metrale-engine-inbox", daemon=True).start()
         stop = asyncio.create_task(self.stopped.wait())
+        heartbeat = asyncio.create_task(self.beat(), name="metrale-engine-heartbeat")
         await asyncio.wait([stop, self.host.loop_task], return_when=asyncio.FIRST_COMPLETED)
         died = self.host.loop_task.done() and not self.host.loop_task.cancelled()
         stop.cancel()
+        heartbeat.cancel()
+        await asyncio.wait([heartbeat])
         await self.host.shutdown()
         return 1 if died else 0
 

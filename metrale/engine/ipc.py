@@ -2,7 +2,8 @@
 
     front-end -> engine     Start (once), then Add | Abort | Finish | AbortAll | Compile
     engine -> front-end     Ready (once, or StartFailed), then Outputs (one per step, and after
-                            requests end outside a step) | Compiled (the answer to a Compile)
+                            requests end outside a step) | Compiled (the answer to a Compile) |
+                            Heartbeat (every HEARTBEAT_INTERVAL_S: metrale.engine.hang_watch)
 
 An Outputs frame carries the step's EngineOutputs (metrale.engine.step), the engine's counters
 (CoreStats: what `stats()` reports) and the step's metric samples, which the front-end records into
@@ -27,6 +28,7 @@ from scheduler import FinishReason, LoraRef
 
 HEADER = struct.Struct("<I")  # body length
 MAX_FRAME_BYTES = 1 << 30
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 class TokenizerSpec(msgspec.Struct, frozen=True):
@@ -144,8 +146,15 @@ class Compiled(msgspec.Struct, tag=True, array_like=True):
     error: RowError | None = None
 
 
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """The engine process's event loop runs; the step in flight (if any) has run for `step_running_s`."""
+
+    step_running_s: float | None = None
+    mean_step_s: float = 0.0
+
+
 ToEngine = Union[Start, Add, Abort, Finish, AbortAll, Compile]
-ToFront = Union[Ready, StartFailed, Outputs, Compiled]
+ToFront = Union[Ready, StartFailed, Outputs, Compiled, Heartbeat]
 
 _encoder = msgspec.msgpack.Encoder()
 TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)

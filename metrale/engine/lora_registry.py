@@ -20,11 +20,12 @@ MAX_LORA_NAME_CHARS = 256
 
 
 class LoraAdapters:
-    """Registered adapters by name; `max_rank` bounds what `add` accepts."""
+    """Registered adapters by name; `max_rank` bounds what `add` accepts, `max_adapters` how many are registered."""
 
-    def __init__(self, facts: ModelFacts, max_rank: int) -> None:
+    def __init__(self, facts: ModelFacts, max_rank: int, max_adapters: int) -> None:
         self._facts = facts
         self._max_rank = max_rank
+        self._max_adapters = max_adapters
         self._refs: dict[str, LoraRef] = {}
 
     def __contains__(self, name: object) -> bool:
@@ -43,7 +44,8 @@ class LoraAdapters:
 
     async def add(self, name: str, path: str) -> LoraRef:
         """Check the folder (on a worker thread: it reads files) and register it as `name`;
-        InvalidLoraAdapterError for a bad name or folder, or a name taken by another folder."""
+        InvalidLoraAdapterError for a bad name or folder, a name taken by another folder, or a full registry
+        (checked before the folder is read, and again after)."""
         if not isinstance(name, str) or not name or len(name) > MAX_LORA_NAME_CHARS or not isinstance(path, str):
             raise InvalidLoraAdapterError(f"a LoRA adapter needs a name of 1..{MAX_LORA_NAME_CHARS} characters "
                                           f"and a folder path, got {name!r}, {path!r}", field="lora_name")
@@ -54,6 +56,7 @@ class LoraAdapters:
                 return existing
             raise InvalidLoraAdapterError(f"LoRA adapter {name!r} is already loaded from {existing.path}; "
                                           "unload it first", field="lora_name")
+        self._check_room()
         facts = self._facts
         try:
             await asyncio.to_thread(read_adapter, folder, facts.num_hidden_layers, facts.lora_targets, self._max_rank)
@@ -62,8 +65,15 @@ class LoraAdapters:
         if name in self._refs and self._refs[name].path != folder:  # registered meanwhile
             raise InvalidLoraAdapterError(f"LoRA adapter {name!r} is already loaded from {self._refs[name].path}",
                                           field="lora_name")
+        if name not in self._refs:
+            self._check_room()  # others registered while this folder was read
         ref = self._refs[name] = LoraRef(name, folder)
         return ref
+
+    def _check_room(self) -> None:
+        if len(self._refs) >= self._max_adapters:
+            raise InvalidLoraAdapterError(f"at most {self._max_adapters} LoRA adapters are registered "
+                                          f"(max_lora_adapters); unload one first", field="lora_name")
 
     def remove(self, name: str) -> bool:
         """Unregister `name` (requests already running with it finish with it); False if unknown."""

@@ -162,6 +162,9 @@ class EngineMetrics:
                                            "Tokens in one engine step's forward pass.", ITERATION_TOKEN_BUCKETS)
         self._restarts = counter("metrale_engine_restarts",
                                  "Engine processes started again after the previous one died.")
+        self._hangs = counter("metrale_engine_hangs",
+                              "Engine processes killed because they stopped answering: no heartbeat, or a step "
+                              "stuck (each is then restarted, and counted in metrale_engine_restarts too).")
         self._info = Info("metrale_build", "metrale build and engine configuration (value is always 1).",
                           registry=reg)
         self._info.info({"model_name": model_name, "version": __version__})
@@ -169,6 +172,10 @@ class EngineMetrics:
     def record_engine_restart(self) -> None:
         """Count one restart of a dead engine process."""
         self._restarts.inc()
+
+    def record_engine_hang(self) -> None:
+        """Count one engine process killed by the hang watch (metrale.engine.hang_watch)."""
+        self._hangs.inc()
 
     def enable_speculation(self, num_speculative_tokens: int) -> None:
         """Register the speculative-decoding series (vLLM's spec_decode family), positions 0..k-1."""

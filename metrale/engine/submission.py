@@ -101,11 +101,12 @@ class Submission:
         queueing (the waiting queue is full) aborts the ones queued before any step computed them."""
         params = self._pooling_params(params, len(prompts))
         limit = self._max_model_len - 1  # the scheduler holds room for one token after the prompt
+        prompts = [self._bounded_text(p, params) if isinstance(p, str) else p for p in prompts]  # before any tokenizing
         if sum(len(p) for p in prompts if isinstance(p, str)) > OFF_LOOP_PROMPT_CHARS:  # many or long texts
             encoded = await self._off_loop(lambda: [self.inputs.prompt_ids(p) for p in prompts])
         else:
             encoded = [self.inputs.prompt_ids(p) for p in prompts]
-        ids = [_truncated(prompt_ids, params.truncate_prompt_tokens, limit) for prompt_ids in encoded]
+        ids = [_truncated(prompt_ids, params, limit) for prompt_ids in encoded]
         too_long = [(i, len(p)) for i, p in enumerate(ids) if len(p) > limit]
         if too_long:
             index, length = too_long[0]
@@ -122,6 +123,18 @@ class Submission:
                 await stream.aclose()  # aborted before any step computed it
             raise
         return streams
+
+    def _bounded_text(self, text: str, params: PoolingParams) -> str:
+        """`text`, or when it is longer than max_model_len tokens can hold, a PromptTooLongError (no truncation) or
+        the end that truncation keeps, cut before tokenizing: max_prompt_chars characters hold at least max_model_len
+        tokens (a token spans at most the longest vocabulary entry), so the ids kept are the whole text's but for a
+        word split at the cut, which only a text of nothing but the longest tokens would reach."""
+        bound = self.inputs.max_prompt_chars
+        if bound is None or len(text) <= bound:
+            return text
+        if params.truncate_prompt_tokens is None:
+            self.inputs.check_length(text)  # raises
+        return text[:bound] if params.truncation_side == "right" else text[-bound:]
 
     def _pooling_params(self, params: PoolingParams | None, num_prompts: int) -> PoolingParams:
         if params is None:
@@ -244,12 +257,16 @@ async def collect_embeddings(streams: Sequence[RequestStream]) -> list[Embedding
     return results
 
 
-def _truncated(ids: list[int], truncate: int | None, max_len: int) -> list[int]:
-    """The last `truncate` ids (-1: the most an input may hold), or all of them when `truncate` is None."""
+def _truncated(ids: list[int], params: PoolingParams, max_len: int) -> list[int]:
+    """The last (truncation_side "left") or first ("right") `truncate_prompt_tokens` ids (-1: the most an input may
+    hold, `max_len`), or all of them when it is None."""
+    truncate = params.truncate_prompt_tokens
     if truncate is None:
         return ids
     keep = max_len if truncate == -1 else truncate
-    return ids[-keep:] if len(ids) > keep else ids
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if params.truncation_side == "right" else ids[-keep:]
 
 
 def _abort_channel(abort: Abort) -> Callable[[OutputChannel], bool]:

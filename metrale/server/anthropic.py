@@ -56,6 +56,7 @@ async def handle(models: ModelResolver, path: str, body: bytes, send: Send, rece
             return await _count_tokens(models, body, send)
         request = protocol.decode(body, ap.MessagesRequest)
         chat = ap.to_chat_request(request)
+        completions.check_before_loading(models, chat, None)
         target = await models.resolve(chat.model)
         call, stream = await completions.open_stream(target, chat, default_max_tokens=None, request_id=request_id,
                                                      tool_call_format=tool_call_format,

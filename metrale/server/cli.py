@@ -113,6 +113,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-loras", type=int, default=defaults.max_loras,
                         help="LoRA adapters resident and running at once (LRU; a request for another waits)")
     engine.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="largest adapter rank loaded")
+    engine.add_argument("--max-lora-adapters", type=int, default=defaults.max_lora_adapters,
+                        help="LoRA adapters registered at once (--lora-modules and /v1/load_lora_adapter together); "
+                             "one more is a 400 naming the limit")
     engine.add_argument("--enable-runtime-lora-updating", action="store_true",
                         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (they read folders a "
                              "client names; the API key still applies)")
@@ -206,7 +209,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         seed=args.seed, speculative_config=args.speculative_config,
                         tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config,
                         engine_process=args.engine_process, max_engine_restarts=args.max_engine_restarts,
-                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, pooling=args.pooling,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_lora_adapters=args.max_lora_adapters, pooling=args.pooling,
                         matryoshka=args.matryoshka)
 
 

@@ -118,6 +118,7 @@ async def handle(models: ModelResolver, body: bytes, chat: bool, send: Send, rec
     request = protocol.decode(body, kind)
     if unknown_fields is not None:
         unknown_fields.check(body, kind, "/v1/chat/completions" if chat else "/v1/completions")
+    check_before_loading(models, request, default_max_tokens)
     target = await models.resolve(request.model)
     call, stream = await open_stream(target, request, default_max_tokens=default_max_tokens,
                                      request_id=request_id, tool_call_format=tool_call_format,
@@ -127,6 +128,15 @@ async def handle(models: ModelResolver, body: bytes, chat: bool, send: Send, rec
         await run_until_disconnect(respond(target.engine, call, stream, send), receive)
     finally:
         await stream.aclose()  # no-op once finished; aborts the request on disconnect or error
+
+
+def check_before_loading(models: ModelResolver, request: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+                         default_max_tokens: int | None) -> None:
+    """On a server that loads models on demand, a 400 for bad sampling fields before the request's model is
+    resolved (and maybe loaded): the model's sampling defaults only fill fields a request leaves unset, so a
+    request refused without them is refused with them too. A resident model needs no early check."""
+    if models.loads_on_demand:
+        protocol.sampling_params(request, default_max_tokens)
 
 
 async def open_stream(target: Target, request: protocol.CompletionRequest | protocol.ChatCompletionRequest, *,

@@ -115,12 +115,12 @@ async def handle(models: ModelResolver, body: bytes, send: Send, receive: Receiv
     request = protocol.decode(body, EmbeddingRequest)
     if unknown_fields is not None:
         unknown_fields.check(body, EmbeddingRequest, PATH)
+    inputs = embedding_inputs(request.input)  # checked before the model is resolved (or loaded)
+    params = pooling_params(normalize=request.normalize, dimensions=request.dimensions,
+                            truncate_prompt_tokens=request.truncate_prompt_tokens)
     target = await models.resolve(request.model)
     refuse_adapter(target.adapter)
     engine, model = target.engine, target.model_id
-    inputs = embedding_inputs(request.input)
-    params = pooling_params(normalize=request.normalize, dimensions=request.dimensions,
-                            truncate_prompt_tokens=request.truncate_prompt_tokens)
     results = await run_embeddings(engine, inputs, params, receive, request_id)
     if results is None:
         return

@@ -82,6 +82,7 @@ async def handle(models: ModelResolver, method: str, path: str, body: bytes, sen
         if not chat and not ollama_request.prompt and not ollama_request.system:
             return await _load_or_unload(models, ollama_request, send)
         request = op.chat_request(ollama_request) if chat else op.generate_request(ollama_request)
+        completions.check_before_loading(models, request, None)
         target = await models.resolve(request.model, keep_alive=keep_alive(ollama_request.keep_alive))
         call, stream = await completions.open_stream(target, request, default_max_tokens=None,
                                                      request_id=request_id, tool_call_format=tool_call_format,
@@ -112,30 +113,28 @@ async def _embed(models: ModelResolver, path: str, body: bytes, send: Send, rece
     started = time.monotonic_ns()
     legacy = path == "/api/embeddings"
     request = protocol.decode(body, op.EmbeddingsRequest if legacy else op.EmbedRequest)
-    target = await models.resolve(op.model_name(request.model), keep_alive=keep_alive(request.keep_alive))
-    embeddings.refuse_adapter(target.adapter)
-    engine = target.engine
     texts = [request.prompt] if legacy else [request.input] if isinstance(request.input, str) else request.input
     texts = [text for text in texts if text]  # Ollama answers an empty input with no embeddings
-    if texts:
-        inputs = embeddings.embedding_inputs(texts)
-        params = embeddings.pooling_params(normalize=not legacy, dimensions=None if legacy else request.dimensions)
-        truncate = legacy or request.truncate
-        with completions.engine_errors({"prompt": "input"}):
-            ids = [await engine.prompt_token_ids(text) for text in inputs]  # bounded by embedding_inputs
-        if truncate:  # Ollama keeps the start of a long input
-            ids = [prompt_ids[:engine.max_model_len - 1] for prompt_ids in ids]
-        results = await embeddings.run_embeddings(engine, ids, params, receive, request_id)
+    inputs = embeddings.embedding_inputs(texts) if texts else []  # bounded before the model is resolved or loaded
+    truncate = legacy or request.truncate  # Ollama keeps the start of a long input
+    params = embeddings.pooling_params(normalize=not legacy, dimensions=None if legacy else request.dimensions,
+                                       truncate_prompt_tokens=-1 if truncate else None, truncation_side="right")
+    target = await models.resolve(op.model_name(request.model), keep_alive=keep_alive(request.keep_alive))
+    embeddings.refuse_adapter(target.adapter)
+    results = []
+    if inputs:  # tokenized on the engine's tokenize thread when long, as /v1/embeddings' inputs
+        results = await embeddings.run_embeddings(target.engine, inputs, params, receive, request_id,
+                                                  renames={"prompt": "input", "truncate_prompt_tokens": "truncate"})
         if results is None:
             return
-    else:
-        results = []
     if legacy:
         return await embeddings.send_json_off_loop(send, lambda: {"embedding": results[0].embedding if results else []})
     await embeddings.send_json_off_loop(send, lambda: {
         "model": request.model, "embeddings": [r.embedding for r in results],
         "total_duration": time.monotonic_ns() - started, "load_duration": 0,
         "prompt_eval_count": sum(r.num_prompt_tokens for r in results)})
+
+
 async def _load_or_unload(models: ModelResolver, request: op.GenerateRequest, send: Send) -> None:
     """Ollama's /api/generate with an empty prompt: load the model and answer done_reason "load"; with keep_alive
     0, unload it ("unload": once this request ends; a model that is not resident is not loaded first)."""

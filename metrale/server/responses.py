@@ -98,9 +98,11 @@ async def handle(models: ModelResolver, body: bytes, send: Send, receive: Receiv
     request = protocol.decode(body, rp.ResponsesRequest)
     if unknown_fields is not None:
         unknown_fields.check(body, rp.ResponsesRequest, "/v1/responses")
+    rp.refuse_unsupported(request)
+    if models.loads_on_demand:  # bad fields are a 400 before the model loads (its defaults only fill unset ones)
+        rp.sampling_params(request, default_max_tokens)
     target = await models.resolve(request.model)
     engine, model = target.engine, target.model_id
-    rp.refuse_unsupported(request)
     params = rp.sampling_params(request, default_max_tokens, engine.sampling_defaults)
     plan = tools.plan(rp.chat_tools(request), tool_call_format or engine.tool_call_format)
     output = chat_output.output_plan(plan, chat_output.reasoning_format(reasoning_parser, engine))

@@ -52,24 +52,29 @@ async def handle(models: ModelResolver, path: str, body: bytes, send: Send) -> N
             token_ids = await engine.prompt_token_ids(request.tokens)  # checks every id against the vocabulary
         return await send_json(send, 200, {"prompt": engine.decode(token_ids)})
     request = protocol.decode(body, TokenizeRequest)
+    _check(request)  # before the model is resolved (or loaded)
     engine = (await models.resolve(request.model)).engine
     token_ids = await _token_ids(engine, request)
     await send_json(send, 200, {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids,
                                 "token_strs": engine.token_texts(token_ids) if request.return_token_strs else None})
 
 
-async def _token_ids(engine: EngineClient, request: TokenizeRequest) -> list[int]:
+def _check(request: TokenizeRequest) -> None:
+    """A 400 for what no model could tokenize: both or neither of prompt and messages, unsupported flags."""
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
-    if request.prompt is not None:
-        if not request.add_special_tokens:
-            raise bad_request("add_special_tokens: false is not supported; the prompt is encoded as "
-                              "/v1/completions encodes it", "add_special_tokens")
-        with completions.engine_errors():
-            return list(await engine.prompt_token_ids(request.prompt))
-    if not request.add_generation_prompt:
+    if request.prompt is not None and not request.add_special_tokens:
+        raise bad_request("add_special_tokens: false is not supported; the prompt is encoded as "
+                          "/v1/completions encodes it", "add_special_tokens")
+    if request.messages is not None and not request.add_generation_prompt:
         raise bad_request("add_generation_prompt: false is not supported; the messages are rendered as "
                           "/v1/chat/completions renders them", "add_generation_prompt")
+
+
+async def _token_ids(engine: EngineClient, request: TokenizeRequest) -> list[int]:
+    if request.prompt is not None:
+        with completions.engine_errors():
+            return list(await engine.prompt_token_ids(request.prompt))
     try:  # the chat request's own constraints (e.g. at least one message): a 400, as on /v1/chat/completions
         chat = msgspec.convert({"messages": msgspec.to_builtins(request.messages), "tools": request.tools,
                                 "chat_template_kwargs": request.chat_template_kwargs}, protocol.ChatCompletionRequest)

@@ -73,6 +73,23 @@ def test_a_quantized_split_that_cuts_a_group_is_refused(tmp_path):
         load_model(str(folder), shard=partial(shard_model, group=FakeGroup(2, 0)))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_model_is_refused_naming_its_expert_tensors(arch, tmp_path):
+    folder = arch_folder(tmp_path, arch)
+    with pytest.raises(ValueError, match=r"tensor parallelism of mixture-of-experts models is not supported: "
+                                         r"model\.layers\.0\.mlp is a routed block of \d+ experts "
+                                         r"\(mlp\.gate, mlp\.switch_mlp\.gate_proj"):
+        load_model(str(folder), shard=partial(shard_model, group=FakeGroup(2, 0)))
+
+
+def test_a_layer_without_a_tensor_to_split_names_it(tmp_path):
+    share = load_model(write_tiny_model(str(tmp_path / "tiny.gguf")), dtype=None)
+    del share.model.model.layers[1].mlp["up_proj"]  # a layout this sharding does not know
+    with pytest.raises(ValueError, match=r"cannot shard model\.layers\.1\.mlp\.up_proj: the layer has no such "
+                                         r"tensor \(its mlp holds down_proj, gate_proj\)"):
+        shard_model(share.model, FakeGroup(2, 0))
+
+
 @pytest.mark.parametrize("arch", ["llama-gguf", "qwen2", "qwen3", "gemma3", "llama-q4-kernels", "llama-q4-float32"])
 def test_the_sharded_forward_equals_the_unsharded_one(arch, tmp_path):
     dtype = "auto"

@@ -9,10 +9,12 @@ import asyncio
 import base64
 import math
 import struct
+import threading
 
 import msgspec
 import pytest
 
+from metrale.engine import submission
 from metrale.pooling_params import MAX_EMBED_INPUTS
 from metrale.server.app import ServerApp
 from tests.server.fakes import call
@@ -123,6 +125,54 @@ async def test_ollama_truncate(app, engine):  # noqa: F811
     r = await call(app, "POST", "/api/embed", {"model": engine.model_name, "input": long, "truncate": False})
     assert r.status == 400 and "at most" in r.json()["error"]
     await clean(engine)
+
+
+async def test_ollama_truncate_keeps_the_start_of_a_text_longer_than_the_context_can_hold(app, engine):  # noqa: F811
+    words = " ".join(f"w{i % 97}" for i in range(engine.max_model_len * 40))  # beyond what max_model_len tokens hold
+    assert len(words) > engine._submission.inputs.max_prompt_chars
+    r = await call(app, "POST", "/api/embed", {"model": engine.model_name, "input": words})
+    assert r.status == 200 and r.json()["prompt_eval_count"] == engine.max_model_len - 1
+    start = engine.tokenizer.encode(words, add_special_tokens=True)[:engine.max_model_len - 1]
+    whole = (await call(app, "POST", PATH, {"input": start})).json()["data"][0]["embedding"]
+    assert r.json()["embeddings"][0] == pytest.approx(whole, abs=1e-5)  # Ollama keeps the start
+    await clean(engine)
+
+
+async def test_truncate_prompt_tokens_keeps_the_end_of_a_text_longer_than_the_context_can_hold(app, engine):  # noqa: F811
+    words = " ".join(f"w{i % 89}" for i in range(engine.max_model_len * 40))
+    assert len(words) > engine._submission.inputs.max_prompt_chars  # refused before: it cannot fit untruncated
+    r = await call(app, "POST", PATH, {"input": words, "truncate_prompt_tokens": -1})
+    assert r.status == 200 and r.json()["usage"]["prompt_tokens"] == engine.max_model_len - 1
+    end = engine.tokenizer.encode(words, add_special_tokens=True)[-(engine.max_model_len - 1):]
+    whole = (await call(app, "POST", PATH, {"input": end})).json()["data"][0]["embedding"]
+    assert r.json()["data"][0]["embedding"] == pytest.approx(whole, abs=1e-5)
+    r = await call(app, "POST", PATH, {"input": words})
+    assert r.status == 400 and "cannot fit in max_model_len tokens" in r.json()["error"]["message"]
+    await clean(engine)
+
+
+async def test_ollama_embed_tokenizes_many_inputs_on_the_tokenize_thread(app, engine, monkeypatch):  # noqa: F811
+    threads: list[str] = []
+    real_encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real_encode(*a, **k))
+    texts = [f"text {i} " + "lorem ipsum " * 50 for i in range(40)]  # > OFF_LOOP_PROMPT_CHARS in all, each short
+    assert sum(map(len, texts)) > submission.OFF_LOOP_PROMPT_CHARS
+    r = await call(app, "POST", "/api/embed", {"model": engine.model_name, "input": texts})
+    assert r.status == 200 and len(r.json()["embeddings"]) == 40
+    assert len(threads) == 40 and {t.rsplit("_", 1)[0] for t in threads} == {"metrale-tokenize"}
+    await clean(engine)
+
+
+async def test_ollama_embed_bounds_the_input_count_before_any_work(app, engine, monkeypatch):  # noqa: F811
+    threads: list[str] = []
+    real_encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real_encode(*a, **k))
+    steps = engine.stats().num_steps
+    r = await call(app, "POST", "/api/embed", {"model": engine.model_name, "input": ["x"] * (MAX_EMBED_INPUTS + 1)})
+    assert r.status == 400 and f"at most {MAX_EMBED_INPUTS} inputs" in r.json()["error"]
+    assert threads == [] and engine.stats().num_steps == steps
 
 
 async def test_ollama_embed_bad_dimensions_is_a_400_that_queues_nothing(app, engine):  # noqa: F811

@@ -1,7 +1,8 @@
 """The engine process under a real `metrale serve` (its default) on a tiny model: kill -SEGV / SIGKILL of
 the engine process under load ends every stream with an error event and [DONE] and every non-streamed
 request with a 500 naming the death; the server keeps its port, restarts the engine and serves again;
-a spent restart budget makes it exit 1."""
+an engine process stopped (SIGSTOP) is found hung, killed and restarted the same way; a spent restart
+budget makes it exit 1."""
 
 from __future__ import annotations
 
@@ -66,6 +67,27 @@ def test_a_killed_engine_process_costs_only_the_requests_in_flight(long_context_
         server.wait_for(lambda s: s.get("/health")[0] == 200, 120, "healthy again")
         assert engine_pid(server) != first
         assert complete(server, 8, False)[0] == 200
+        assert server.metric("metrale_engine_restarts_total") == 1.0
+        server.wait_for(lambda s: s.idle(), 30, "idle")
+
+
+def test_a_hung_engine_process_is_killed_and_its_streams_end_with_an_error_event(long_context_model):
+    env = {"METRALE_ENGINE_HANG_TIMEOUT_S": "2"}
+    with ServerProcess("--model", long_context_model, *TINY, env=env) as server:
+        first = engine_pid(server)
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(complete, server, LONG, True) for _ in range(2)]
+            server.wait_for(lambda s: s.gauges()[0] == 2, 60, "two running")
+            os.kill(first, signal.SIGSTOP)  # alive, silent: as if stuck in a native call
+            for future in streams:
+                status, events = future.result()
+                assert status == 200 and events[-1] == "[DONE]", events[-3:]
+                message = json.loads(events[-2])["error"]["message"]
+                assert "engine process died (hung: no heartbeat for" in message, message
+        server.wait_for(lambda s: s.get("/health")[0] == 200, 120, "healthy again")
+        assert engine_pid(server) != first
+        assert complete(server, 8, False)[0] == 200
+        assert server.metric("metrale_engine_hangs_total") == 1.0
         assert server.metric("metrale_engine_restarts_total") == 1.0
         server.wait_for(lambda s: s.idle(), 30, "idle")
 

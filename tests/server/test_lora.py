@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from metrale import SamplingParams
+from metrale import AsyncEngine, EngineConfig, SamplingParams
 from metrale.loading import load_model
 from metrale.server.app import ServerApp
 from metrale.errors import InvalidLoraAdapterError
@@ -98,6 +98,18 @@ async def test_route_errors_follow_vllm(engine, adapters, tmp_path):
     documented = (await call(app, "GET", "/openapi.json", headers=KEY)).json()["paths"]
     assert documented[load]["post"]["operationId"] == "loadLoraAdapter" and unload in documented
     assert engine.list_loras() == {}
+
+
+async def test_loading_past_max_lora_adapters_is_a_400_naming_the_limit(tiny_model, adapters):
+    async with AsyncEngine(EngineConfig(model=tiny_model, kv_cache_bytes=2 << 20, block_size=4,
+                                        max_lora_adapters=1)) as engine:
+        app = ServerApp(engine, manage_engine=False, enable_runtime_lora_updating=True)
+        load = "/v1/load_lora_adapter"
+        assert (await call(app, "POST", load, {"lora_name": "A", "lora_path": adapters["A"]})).status == 200
+        r = await call(app, "POST", load, {"lora_name": "B", "lora_path": adapters["B"]})
+        assert r.status == 400 and r.json()["error"]["param"] == "lora_name"
+        assert "at most 1 LoRA adapters are registered (max_lora_adapters)" in r.json()["error"]["message"]
+        assert engine.list_loras() == {"A": adapters["A"]}
 
 
 @ON_MODULE_LOOP

@@ -113,6 +113,46 @@ async def test_every_surface_resolves_through_the_manager(served):
     assert (await call(app, "GET", "/server_info")).status == 404  # describes one model
 
 
+USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"model": "b", "prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"model": "b", "prompt": "x", "stop": [""]}),
+    ("/v1/chat/completions", {"model": "b", "messages": USER, "top_p": 2}),
+    ("/v1/responses", {"model": "b", "input": "x", "temperature": -1}),
+    ("/v1/messages", {"model": "b", "max_tokens": 2, "messages": USER, "top_k": -5}),
+    ("/api/chat", {"model": "b", "messages": USER, "stream": False, "options": {"top_p": 2}}),
+    ("/tokenize", {"model": "b", "prompt": "x", "messages": USER}),
+    ("/tokenize", {"model": "b", "prompt": "x", "add_special_tokens": False}),
+])
+async def test_a_bad_body_is_a_400_before_its_model_loads(served, path, body):
+    app, _, factory = served
+    r = await call(app, "POST", path, body)
+    assert r.status == 400, (r.status, r.body)
+    assert factory.built == []
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/embeddings", {"model": "b", "input": []}),
+    ("/v1/embeddings", {"model": "b", "input": "x", "dimensions": 0}),
+    ("/v1/embeddings", {"model": "b", "input": ["x"] * 2049}),
+    ("/api/embed", {"model": "b", "input": "x", "dimensions": 0}),
+    ("/api/embed", {"model": "b", "input": ["x"] * 2049}),
+])
+async def test_a_bad_embedding_body_is_a_400_before_its_model_loads(path, body):
+    manager, factory, _ = make_manager({"a": 100, "b": 100}, 250)
+    models = ManagedModels(manager)
+    app = ServerApp(models=models, manage_engine=False, task="embed")
+    await models.start()
+    try:
+        r = await call(app, "POST", path, body)
+        assert r.status == 400, (r.status, r.body)
+        assert factory.built == []
+    finally:
+        await models.shutdown()
+
+
 async def test_metrics_merge_every_engine_under_its_model_id(served):
     app, _, _ = served
     for model in ("a", "b"):

@@ -15,6 +15,9 @@ from metrale import AsyncEngine, EngineConfig, RequestFailedError, SamplingParam
 from metrale.errors import (DuplicateRequestError, EngineDeadError, EngineRestartingError, InvalidParamsError,
                             PromptTooLongError)
 from metrale.failpoints import InjectedFault
+from metrale.server.app import ServerApp
+from metrale.settings import RuntimeSettings
+from tests.server.fakes import call
 from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -147,6 +150,62 @@ async def test_a_killed_engine_process_fails_what_was_in_flight_and_comes_back(t
         await wait_idle(engine)
         assert_clean(engine)
         assert before.request_id  # it ended one way or the other; nothing hangs
+
+
+async def test_a_hung_engine_process_is_killed_failing_what_was_in_flight_and_comes_back(tiny_model):
+    settings = RuntimeSettings.resolve(environ={}).replace(engine_hang_timeout_s=2.0)
+    async with AsyncEngine(config(tiny_model, True), settings=settings) as engine:
+        client = engine._client
+        gate = asyncio.Event()  # the restart waits for it: the restarting state is observed, not raced
+        spawn = client._spawn
+
+        async def gated_spawn():
+            await gate.wait()
+            return await spawn()
+
+        client._spawn = gated_spawn
+        streams = await streams_under_way(engine, 3)
+        old_pid = client._proc.pid
+        os.kill(old_pid, signal.SIGSTOP)  # alive, answering nothing: as if stuck in a native call
+        try:
+            errors = [await asyncio.wait_for(ends_with_an_error(stream), 60) for stream in streams]
+            health = engine.health()
+            response = await call(ServerApp(engine, manage_engine=False), "GET", "/health")
+            exposition = engine.metrics_exposition().decode()
+        finally:
+            gate.set()  # the test never hangs on its own gate
+        assert all("the engine process died (hung: no heartbeat" in str(error) for error in errors), errors
+        assert health == "restarting"
+        assert response.status == 503 and response.json() == {"status": "restarting"}
+        assert 'metrale_engine_hangs_total{model_name="tiny"} 1.0' in exposition
+        while engine.health() != "serving":
+            await asyncio.sleep(0.05)
+        assert client._proc.pid != old_pid
+        assert (await collect(engine.generate(PROMPTS[1], GREEDY)))[2] == "length"
+        assert 'metrale_engine_restarts_total{model_name="tiny"} 1.0' in engine.metrics_exposition().decode()
+        await wait_idle(engine)
+        assert_clean(engine)
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pid, 0)  # killed and reaped, not left stopped
+
+
+async def test_a_step_stuck_in_the_engine_process_is_killed_while_its_loop_still_beats(tiny_model):
+    settings = RuntimeSettings.resolve(environ={}).replace(engine_hang_timeout_s=2.0)
+    hung = config(tiny_model, True, failpoints="execute=hang@victim")  # the MLX thread blocks in that step
+    async with AsyncEngine(hung, settings=settings) as engine:
+        client = engine._client
+        old_pid = client._proc.pid
+        streams = await streams_under_way(engine, 2)
+        victim = engine.generate(PROMPTS[2], GREEDY, request_id="victim")
+        errors = [await asyncio.wait_for(ends_with_an_error(s), 60) for s in (*streams, victim)]
+        assert all("the engine process died (hung: a step has run for" in str(error) for error in errors), errors
+        assert 'metrale_engine_hangs_total{model_name="tiny"} 1.0' in engine.metrics_exposition().decode()
+        while engine.health() != "serving":
+            await asyncio.sleep(0.05)
+        assert client._proc.pid != old_pid
+        assert (await collect(engine.generate(PROMPTS[1], GREEDY)))[2] == "length"
+        await wait_idle(engine)
+        assert_clean(engine)
 
 
 async def test_a_spent_restart_budget_is_final(tiny_model):

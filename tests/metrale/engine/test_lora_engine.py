@@ -118,6 +118,26 @@ async def test_unknown_adapters_and_bad_folders_are_typed_refusals(tiny_model, a
         assert_clean(engine)
 
 
+async def test_max_lora_adapters_bounds_the_registry_before_reading_a_folder(tiny_model, adapters, tmp_path):
+    async with AsyncEngine(config(tiny_model, max_lora_adapters=2)) as engine:
+        await engine.add_lora("A", adapters["A"])
+        await engine.add_lora("B", adapters["B"])
+        await engine.add_lora("A", adapters["A"])  # the same again: nothing new is registered
+        for name, folder in (("C", adapters["C"]), ("X", str(tmp_path / "missing"))):
+            with pytest.raises(InvalidLoraAdapterError, match=r"at most 2 LoRA adapters are registered "
+                                                              r"\(max_lora_adapters\); unload one first"):
+                await engine.add_lora(name, folder)  # the limit, not "not a folder": refused before reading it
+        assert set(engine.list_loras()) == {"A", "B"}
+        assert engine.remove_lora("A")
+        await engine.add_lora("C", adapters["C"])
+        assert set(engine.list_loras()) == {"B", "C"}
+
+
+def test_max_lora_adapters_is_validated():
+    with pytest.raises(ValueError, match="max_lora_adapters must be an int >= 1"):
+        EngineConfig(max_lora_adapters=0)
+
+
 def test_llm_takes_one_adapter_per_prompt(tiny_model, adapters):
     with LLM(config(tiny_model)) as llm:
         llm.add_lora("A", adapters["A"])

@@ -123,6 +123,21 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens(qwen3):
     np.testing.assert_allclose(cut.embedding, tail.embedding, atol=ATOL)
 
 
+async def test_right_truncation_keeps_the_first_tokens(qwen3):
+    path, _ = qwen3
+    long = PROMPTS[0] * 5  # 200 tokens
+    async with AsyncEngine(config(path, max_model_len=128)) as engine:
+        (cut,) = await engine.embed([long], PoolingParams(truncate_prompt_tokens=40, truncation_side="right"))
+        (head,) = await engine.embed([long[:40]])
+    assert cut.num_prompt_tokens == 40
+    np.testing.assert_allclose(cut.embedding, head.embedding, atol=ATOL)
+
+
+def test_a_bad_truncation_side_names_it():
+    with pytest.raises(InvalidParamsError, match="truncation_side"):
+        PoolingParams(truncation_side="middle")
+
+
 async def test_cancelling_an_embedding_call_aborts_its_inputs_and_frees_their_blocks(qwen3):
     path, _ = qwen3
     async with AsyncEngine(config(path)) as engine:
