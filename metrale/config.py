@@ -61,7 +61,8 @@ class EngineConfig:
     max_lora_rank: the largest LoRA adapter rank the engine loads (1..512); how many adapters run at once is
         the scheduler's max_loras.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
-        max_waiting, policy, block_size, enable_prefix_caching, max_loras, max_step_ms, min_prefill_chunk);
+        max_waiting, policy, block_size, enable_prefix_caching, max_loras, max_step_ms, max_step_factor,
+        min_prefill_chunk);
         max_model_len None takes the model's context length, capped at 8192, when the engine starts.
     """
 

@@ -1,10 +1,10 @@
-"""The step cost model (learned online) and one step's time budget, on made-up step times."""
+"""The step cost model (learned online), on made-up step times."""
 
 import math
 
 import pytest
 
-from scheduler.step_cost import OnlineStepCost, StepTimeBudget, StepWork, attention_pairs
+from scheduler.step_cost import OnlineStepCost, StepWork, attention_pairs
 
 
 def true_cost(work: StepWork) -> float:
@@ -103,32 +103,13 @@ class Linear:
         raise AssertionError("a fixed model learns nothing")
 
 
-def test_budget_fits_the_chunk_to_the_time_left_after_the_decodes():
-    budget = StepTimeBudget(Linear(), limit_s=0.050, min_chunk=8, decodes=StepWork(4, 400))
-    # 10 ms fixed + 4 decode tokens = 14 ms; 36 more tokens fit in 50 ms
-    assert budget.fit_chunk(0, 500) == 36
-    assert budget.fit_chunk(0, 20) == 20  # a short chunk fits whole
-
-
-def test_budget_shrinks_chunks_at_long_context():
-    model = Linear(per_pair=1e-7)
-    near = StepTimeBudget(model, 0.050, 8, StepWork(4, 400)).fit_chunk(0, 500)
-    far = StepTimeBudget(model, 0.050, 8, StepWork(4, 400)).fit_chunk(8000, 500)
-    assert far < near
-    work = StepWork(4, 400) + StepWork.of_chunk(8000, far)
-    assert model.estimate(work) <= 0.050 < model.estimate(work + StepWork.of_chunk(8000 + far, 1))
-
-
-def test_first_chunk_gets_the_floor_and_later_ones_only_what_is_left():
-    budget = StepTimeBudget(Linear(), limit_s=0.015, min_chunk=8, decodes=StepWork(4, 400))
-    first = budget.fit_chunk(0, 500)
-    assert first == 8  # only 1 token fits in time; the floor keeps the prompt moving
-    budget.take_chunk(0, first)
-    assert budget.fit_chunk(0, 300) == 0
-
-
-def test_budget_is_off_without_decodes_or_limit_and_floors_while_unlearned():
-    assert StepTimeBudget(Linear(), 0.015, 8, StepWork()).fit_chunk(0, 500) == 500
-    assert StepTimeBudget(Linear(), None, 8, StepWork(4, 400)).fit_chunk(0, 500) == 500
-    assert StepTimeBudget(OnlineStepCost(), 0.5, 8, StepWork(4, 400)).fit_chunk(0, 500) == 8
-    assert StepTimeBudget(OnlineStepCost(), 0.5, 8, StepWork(4, 400), probe=True).fit_chunk(0, 500) == 16
+def test_steps_of_one_token_count_rescale_the_last_fit_to_follow_the_load():
+    model = OnlineStepCost(window=8)
+    teach(model)
+    fitted = model.coefficients
+    step = StepWork(17, 5000, True)  # a long prompt's chunks settled at one size beside the same streams
+    for _ in range(8):
+        model.observe(step, 3 * true_cost(step))  # the machine got 3x busier
+    assert model.coefficients is not None
+    assert model.coefficients == pytest.approx(tuple(3 * c for c in fitted))
+    assert model.estimate(step) == pytest.approx(3 * true_cost(step))

@@ -34,6 +34,13 @@ def test_flags_map_onto_engine_config():
     assert (args.api_key, args.port) == ("k", 9000)
 
 
+def test_step_time_flags_map_onto_the_scheduler():
+    config = engine_config(_parse("--max-step-ms", "80", "--max-step-factor", "2.5", "--min-prefill-chunk", "4"))
+    assert (config.max_step_ms, config.max_step_factor, config.min_prefill_chunk) == (80.0, 2.5, 4)
+    with pytest.raises(ValueError, match="max_step_factor"):
+        engine_config(_parse("--max-step-factor", "0.5"))
+
+
 def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("METRALE_API_KEY", "from-env")
     assert _parse().api_key is None  # the flag's default; the settings fall back to the variable
