@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from scheduler.step_cost import StepCostModel, StepWork
 
 PROBE_TOKENS = 8  # the smaller probe chunk while the cost model learns (the other is twice it)
+EXTRAPOLATION = 2  # a step holds at most this many times the tokens of the largest step the model measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,9 @@ class StepTimeBudget:
     While the cost model knows too little, the first chunk is max(min_chunk, 8) tokens, or twice that when
     `probe` is set (the scheduler alternates it): small steps of two sizes that teach it.
     The first chunk of a step gets at least `min_chunk` tokens even over the limit, so prompts progress.
+    A step holds at most EXTRAPOLATION x the tokens of the largest step the model measured (its estimates
+    of bigger ones are guesses), and when the model's decode-only steps are stale, one step runs without
+    prompt chunks to measure them again (the relative limit is a multiple of them).
     """
 
     def __init__(self, cost_model: StepCostModel, limit: StepLimit, min_chunk: int, decodes: StepWork,
@@ -79,10 +83,15 @@ class StepTimeBudget:
         """How many of `num_tokens` prompt tokens starting at position `start` fit (0: none this step)."""
         if not self._active or num_tokens <= 1:
             return num_tokens
-        floor = min(num_tokens, self._min_chunk) if self._chunks == 0 else 0
         limit_s = self.limit_s
         if limit_s is None or self._cost_model.estimate(self._work) is None:
             return min(num_tokens, self._probe_chunk) if self._chunks == 0 else 0
+        if self._chunks == 0 and self._cost_model.wants_decode_step():
+            return 0
+        floor = min(num_tokens, self._min_chunk) if self._chunks == 0 else 0
+        largest = self._cost_model.largest_known_step()
+        if largest is not None:
+            num_tokens = min(num_tokens, max(0, EXTRAPOLATION * largest - self._work.num_tokens))
         return max(floor, self._largest_fitting(start, num_tokens, limit_s))
 
     def take_chunk(self, start: int, num_tokens: int) -> None:

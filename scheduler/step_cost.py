@@ -69,6 +69,15 @@ class StepCostModel(Protocol):
     def observe(self, work: StepWork, seconds: float) -> None:
         """A step of this size took `seconds`."""
 
+    def largest_known_step(self) -> int | None:
+        """The most tokens of a recent step with a prompt chunk (None: no bound). A step of many more tokens
+        than were measured is an extrapolation: big chunks are compute-bound where small ones ride the
+        decodes' weight reads, which a linear fit of small steps does not know."""
+
+    def wants_decode_step(self) -> bool:
+        """Its decode-only steps are stale (a long prompt has run beside the streams): one step without
+        prompt chunks would tell it what the streams' step costs under today's load."""
+
 
 class OnlineStepCost:
     """Non-negative least squares of (fixed, per_token, per_pair) over recent steps.
@@ -120,6 +129,14 @@ class OnlineStepCost:
             elif self._coefficients is not None:  # e.g. a prompt's chunks settled at one size: keep the shape
                 self._coefficients = _rescaled(self._coefficients, steps)
         return self._coefficients
+
+    def largest_known_step(self) -> int | None:
+        return int(max(tokens for tokens, _, _ in self._chunk_steps)) if self._chunk_steps else None
+
+    def wants_decode_step(self) -> bool:
+        """True once half the chunk window was observed after the newest decode-only step."""
+        newest = self._decode_steps[-1][3] if self._decode_steps else 0
+        return self._num_chunk_steps - newest >= max(1, (self._chunk_steps.maxlen or 0) // 2)
 
     def estimate(self, work: StepWork) -> float | None:
         coefficients = self.coefficients

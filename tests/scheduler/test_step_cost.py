@@ -102,6 +102,12 @@ class Linear:
     def observe(self, work, seconds):
         raise AssertionError("a fixed model learns nothing")
 
+    def largest_known_step(self):
+        return None  # exact at any size
+
+    def wants_decode_step(self):
+        return False
+
 
 def test_steps_of_one_token_count_rescale_the_last_fit_to_follow_the_load():
     model = OnlineStepCost(window=8)
