@@ -3,7 +3,8 @@
 A step that decodes running requests is limited to the smaller of
 
     max_step_ms                                     (absolute; SchedulerConfig.max_step_ms)
-    max_step_factor x estimate(the step's decodes)  (relative; SchedulerConfig.max_step_factor)
+    max_step_factor x the time of its decodes alone  (relative; SchedulerConfig.max_step_factor: the median
+                                                     of recent decode-only steps, or the cost model's estimate)
 
 The relative limit follows the machine's load and the model's size without a number in milliseconds: with a
 factor k the streams' steps take about k times their decode-only time while a long prompt runs, and the prompt
@@ -22,7 +23,7 @@ EXTRAPOLATION = 2  # a step holds at most this many times the tokens of the larg
 
 @dataclass(frozen=True, slots=True)
 class StepLimit:
-    """What bounds a step that decodes: seconds, a multiple of its decodes' own estimated time, or both."""
+    """What bounds a step that decodes: seconds, a multiple of its decodes' own time, or both."""
 
     max_seconds: float | None = None
     decode_factor: float | None = None
@@ -35,7 +36,7 @@ class StepLimit:
         """The limit of a step whose decodes are `decodes`; None while the model cannot estimate them."""
         limit = self.max_seconds
         if self.decode_factor is not None:
-            decode_s = cost_model.estimate(decodes)
+            decode_s = cost_model.decode_step_seconds(decodes)
             if decode_s is None:
                 return None
             relative = self.decode_factor * decode_s

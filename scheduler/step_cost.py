@@ -18,6 +18,7 @@ same estimates out: the engine measures, the scheduler only reads numbers.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from scheduler.output import SchedulerOutput
+
+RECENT_DECODE_STEPS = 5  # decode-only steps whose median is the streams' step time now
 
 
 def attention_pairs(start: int, num_tokens: int) -> int:
@@ -73,6 +76,9 @@ class StepCostModel(Protocol):
         """The most tokens of a recent step with a prompt chunk (None: no bound). A step of many more tokens
         than were measured is an extrapolation: big chunks are compute-bound where small ones ride the
         decodes' weight reads, which a linear fit of small steps does not know."""
+
+    def decode_step_seconds(self, decodes: StepWork) -> float | None:
+        """What a step of these decodes alone takes now (None while unknown): the base of a relative limit."""
 
     def wants_decode_step(self) -> bool:
         """Its decode-only steps are stale (a long prompt has run beside the streams): one step without
@@ -132,6 +138,14 @@ class OnlineStepCost:
 
     def largest_known_step(self) -> int | None:
         return int(max(tokens for tokens, _, _ in self._chunk_steps)) if self._chunk_steps else None
+
+    def decode_step_seconds(self, decodes: StepWork) -> float | None:
+        """The median measured time of the last RECENT_DECODE_STEPS decode-only steps when they had as many
+        decodes (the fit extrapolates to small steps poorly: its fixed term drifts with the chunk steps'
+        noise), else the estimate."""
+        recent = [seconds for tokens, _, seconds, _ in itertools.islice(reversed(self._decode_steps), RECENT_DECODE_STEPS)
+                  if tokens == decodes.num_tokens]
+        return statistics.median(recent) if recent else self.estimate(decodes)
 
     def wants_decode_step(self) -> bool:
         """True once half the chunk window was observed after the newest decode-only step."""

@@ -105,6 +105,9 @@ class Linear:
     def largest_known_step(self):
         return None  # exact at any size
 
+    def decode_step_seconds(self, decodes):
+        return self.estimate(decodes)
+
     def wants_decode_step(self):
         return False
 
