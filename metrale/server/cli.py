@@ -59,6 +59,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return parser
 
 
+# The server's step limit (an embedded engine has none by default: its chunks then do not depend on timing).
+# Measured (benchmarks/results/long_prompt_sched.md): with 4 streams and an 8k prompt on 135M the streams'
+# ITL p50 fell from 2.9 s to 0.30 s at a 1.13x TTFT for the prompt; 1B with a 4k prompt: 16 s to 1.9 s, 1.08x.
+SERVE_MAX_STEP_FACTOR = 8.0
+
+
+def _factor_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve flags: engine configuration, then HTTP and lifecycle."""
     defaults = EngineConfig()
@@ -76,9 +86,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-step-ms", type=float, default=defaults.max_step_ms,
                         help="time limit of a step that decodes: a long prompt's chunks shrink to fit it "
                              "(the streams keep their pace); omitted: no absolute limit")
-    engine.add_argument("--max-step-factor", type=float, default=defaults.max_step_factor,
-                        help="relative limit of a step that decodes: this many times the learned time of its "
-                             "decodes alone (with --max-step-ms: the smaller limit holds)")
+    engine.add_argument("--max-step-factor", type=_factor_or_none, default=SERVE_MAX_STEP_FACTOR,
+                        help="relative limit of a step that decodes: this many times the measured time of its "
+                             "decodes alone, so a long prompt does not stall the streams (with --max-step-ms: "
+                             f"the smaller limit holds); 'none' turns it off (default: {SERVE_MAX_STEP_FACTOR:g})")
     engine.add_argument("--min-prefill-chunk", type=int, default=defaults.min_prefill_chunk,
                         help="prompt tokens a step's first chunk gets even over the step's time limit")
     engine.add_argument("--kv-cache-mib", type=int, default=defaults.kv_cache_bytes >> 20,

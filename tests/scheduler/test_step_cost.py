@@ -122,3 +122,12 @@ def test_steps_of_one_token_count_rescale_the_last_fit_to_follow_the_load():
     assert model.coefficients is not None
     assert model.coefficients == pytest.approx(tuple(3 * c for c in fitted))
     assert model.estimate(step) == pytest.approx(3 * true_cost(step))
+
+
+def test_decode_step_time_is_the_median_of_recent_decode_only_steps_of_as_many_decodes():
+    model = OnlineStepCost()
+    teach(model)
+    assert model.decode_step_seconds(StepWork(8, 800)) == model.estimate(StepWork(8, 800))  # none of 8 measured
+    for seconds in (0.050, 0.010, 0.020, 0.030, 0.040, 0.900):  # the oldest falls out of the last five
+        model.observe(StepWork(4, 4000), seconds)
+    assert model.decode_step_seconds(StepWork(4, 4000)) == 0.030

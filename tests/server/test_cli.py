@@ -8,7 +8,7 @@ import pytest
 
 from metrale.config import EngineConfig
 from metrale.settings import RuntimeSettings
-from metrale.server.cli import add_serve_parser, engine_config
+from metrale.server.cli import SERVE_MAX_STEP_FACTOR, add_serve_parser, engine_config
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -19,8 +19,9 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_are_the_engine_defaults_on_loopback():
     args = _parse()
-    assert engine_config(args) == EngineConfig(engine_process=True)  # the server's one difference
-    assert engine_config(_parse("--no-engine-process")) == EngineConfig()
+    # the server's differences: an engine process, and a step limit that keeps streams going beside long prompts
+    assert engine_config(args) == EngineConfig(engine_process=True, max_step_factor=SERVE_MAX_STEP_FACTOR)
+    assert engine_config(_parse("--no-engine-process", "--max-step-factor", "none")) == EngineConfig()
     assert (args.host, args.port, args.api_key, args.shutdown_timeout) == ("127.0.0.1", 8000, None, 30.0)
     assert callable(args.func)
 
