@@ -260,7 +260,7 @@ class Scheduler:
     def _schedule_waiting(self, num_new: dict[str, int], budget: int, timing: StepTimeBudget) -> None:
         kv = self.kv_cache_manager
         seats = len(self._running) + self._forks.num_seats(lambda rid: self._requests[rid].status is _RUNNING)
-        adapters: set | None = None  # the runner's slots hold these: gathered when a LoRA request is at the head
+        adapters: set[Any] | None = None  # the runner's slots hold these: gathered when a LoRA request is at the head
         while self._waiting and budget > 0:
             req = self._waiting.peek()
             group = 1 + self._forks.count(req.request_id)

@@ -53,13 +53,14 @@ class StepWork:
 
     @classmethod
     def of_output(cls, output: SchedulerOutput) -> StepWork:
-        """The work of a planned step: its tokens (drafts included) and their attention pairs."""
+        """The work of a planned step: its tokens (drafts included) and their attention pairs; it has a chunk
+        when a request computes several known tokens or one that does not sample (a 1-token prompt chunk)."""
         num_tokens = num_pairs = 0
         has_chunk = False
         for s in output.scheduled:
             num_tokens += s.num_tokens
             num_pairs += attention_pairs(s.start_position, s.num_tokens)
-            has_chunk = has_chunk or len(s.token_ids) > 1
+            has_chunk = has_chunk or len(s.token_ids) > 1 or not s.samples  # a decode always samples
         return cls(num_tokens, num_pairs, has_chunk)
 
 

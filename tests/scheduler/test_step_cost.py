@@ -131,3 +131,14 @@ def test_decode_step_time_is_the_median_of_recent_decode_only_steps_of_as_many_d
     for seconds in (0.050, 0.010, 0.020, 0.030, 0.040, 0.900):  # the oldest falls out of the last five
         model.observe(StepWork(4, 4000), seconds)
     assert model.decode_step_seconds(StepWork(4, 4000)) == 0.030
+
+
+def test_the_work_of_a_step_counts_a_one_token_prompt_chunk_as_a_chunk():
+    from scheduler import ScheduledRequest, SchedulerOutput
+
+    decode = ScheduledRequest("d", (5,), 40, (0, 1, 2), samples=True, num_draft_tokens=2)
+    one = ScheduledRequest("p", (6,), 100, (3,) * 7, samples=False)  # a prompt's 1-token chunk, not its last
+    output = SchedulerOutput((decode,), 3, (), 16)
+    assert StepWork.of_output(output) == StepWork(3, attention_pairs(40, 3), False)
+    both = SchedulerOutput((decode, one), 4, (), 16)
+    assert StepWork.of_output(both) == StepWork(4, attention_pairs(40, 3) + 101, True)
