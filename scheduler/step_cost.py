@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from scheduler.output import SchedulerOutput
 
-RECENT_DECODE_STEPS = 5  # decode-only steps whose median is the streams' step time now
+RECENT_DECODE_STEPS = 3  # decode-only steps whose median is the streams' step time now (one runs per 16 chunk steps)
 
 
 def attention_pairs(start: int, num_tokens: int) -> int:

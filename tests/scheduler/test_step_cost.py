@@ -128,7 +128,7 @@ def test_decode_step_time_is_the_median_of_recent_decode_only_steps_of_as_many_d
     model = OnlineStepCost()
     teach(model)
     assert model.decode_step_seconds(StepWork(8, 800)) == model.estimate(StepWork(8, 800))  # none of 8 measured
-    for seconds in (0.050, 0.010, 0.020, 0.030, 0.040, 0.900):  # the oldest falls out of the last five
+    for seconds in (0.050, 0.010, 0.030, 0.020, 0.900):  # the older ones fall out of the last three
         model.observe(StepWork(4, 4000), seconds)
     assert model.decode_step_seconds(StepWork(4, 4000)) == 0.030
 
