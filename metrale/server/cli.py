@@ -61,8 +61,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 # The server's step limit (an embedded engine has none by default: its chunks then do not depend on timing).
 # Measured (benchmarks/results/long_prompt_sched.md): with 4 streams and an 8k prompt on 135M the streams'
-# ITL p50 fell from 2.3-2.9 s to 0.17-0.30 s at 1.13-1.38x TTFT for the prompt; 1B with a 4k prompt: 16 s to
-# 1.9 s at 1.08x. A smaller factor costs the prompt more: 2x measured 3.2x TTFT.
+# ITL p50 fell from 1.6 s to 135 ms at 1.00x TTFT for the prompt (quiet machine; 1.13-1.38x when busy); 1B with
+# a 4k prompt: 3.5 s to 409 ms at 1.27x. A smaller factor costs the prompt more: 2x measured 3.2-5.4x TTFT.
 SERVE_MAX_STEP_FACTOR = 8.0
 
 
