@@ -1,20 +1,26 @@
 """Do running streams keep their pace while a long prompt is processed? ITL before/while, and its TTFT.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/long_prompt_itl_bench.py --max-step-ms none 60 --rounds 2
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/long_prompt_itl_bench.py --variants none x2 ms60 --rounds 2
 
-Each variant (a value of max_step_ms; "none" is off) is a fresh process (`--worker`) with the default
-model (SmolLM2-135M Q4_1) in process. It starts `--streams` streams (short random prompts, ignore_eos),
-records their inter-token gaps for `--baseline-tokens` tokens each, then submits one random prompt of
-`--prompt-len` tokens (max_tokens=1) and records the streams' gaps until that prompt's first token (its
-TTFT). Then it aborts the streams. A gap is the time between two deltas of a stream divided by the
-tokens the second delta carries. Variants run alternately, round after round; the median per variant
-is reported (the machine is shared, so load hits every variant alike).
+A variant is "none" (no time limit), "x<K>" (max_step_factor K: a step that decodes takes at most K times
+its decodes' estimated time), "ms<N>" (max_step_ms N) or both joined by "+" ("x2+ms60"), with an optional
+":f<N>" for min_prefill_chunk N ("x2:f1"; otherwise --min-prefill-chunk, default: the config's). Each is a
+fresh process (`--worker`) with `--model` (default SmolLM2-135M Q4_1) in process. It starts `--streams` streams
+(short random prompts, ignore_eos), records their inter-token gaps for `--baseline-tokens` tokens each, then
+submits one random prompt of `--prompt-len` tokens (max_tokens=1) and records the streams' gaps until that
+prompt's first token (its TTFT). Then it aborts the streams. A gap is the time between two deltas of a stream
+divided by the tokens the second delta carries. It also logs every step the engine times while the prompt
+runs: the scheduler's estimate and limit against the measured time (`step_*`: the measured time over the
+estimate, the share of steps over their limit, the measured step p99), and the time Python's garbage
+collector paused (`gc_ms`). Variants run alternately, round after round; the median per variant is reported
+(the machine is shared, so load hits every variant alike).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -32,17 +38,79 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(max_step_ms: float | None, min_prefill_chunk: int, streams: int, prompt_len: int,
-                  baseline_tokens: int, seed: int) -> dict:
+def parse_variant(variant: str, min_prefill_chunk: int | None) -> dict:
+    """EngineConfig scheduling fields of a variant name (see the module docstring)."""
+    spec, _, floor = variant.partition(":")
+    fields: dict = {"max_step_ms": None, "max_step_factor": None}
+    for part in spec.split("+"):
+        if part.startswith("x"):
+            fields["max_step_factor"] = float(part[1:])
+        elif part.startswith("ms"):
+            fields["max_step_ms"] = float(part[2:])
+        elif part != "none":
+            raise ValueError(f"variant {variant!r}: parts are none, x<factor> or ms<milliseconds>")
+    if floor:
+        fields["min_prefill_chunk"] = int(floor.removeprefix("f"))
+    elif min_prefill_chunk is not None:
+        fields["min_prefill_chunk"] = min_prefill_chunk
+    return fields
+
+
+class StepLog:
+    """Every step the engine times: (end time, measured s, estimated s, limit s, long prompt tokens, step tokens,
+    step attention pairs), and GC pauses."""
+
+    def __init__(self, scheduler) -> None:
+        from scheduler.step_cost import StepWork
+
+        self.steps: list[tuple[float, float, float | None, float | None, int, int, int]] = []
+        self.gc_pauses: list[tuple[float, float]] = []  # (end time, seconds)
+        self._gc_started = 0.0
+        observe = scheduler.observe_step
+
+        def logged(output, seconds: float) -> None:
+            chunk = sum(len(s.token_ids) for s in output.scheduled if s.request_id == "long")
+            work = StepWork.of_output(output)
+            self.steps.append((time.perf_counter(), seconds, scheduler.last_step_estimate, scheduler.last_step_limit,
+                               chunk, work.num_tokens, work.num_attention_pairs))
+            observe(output, seconds)
+
+        scheduler.observe_step = logged
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_started = now
+        else:
+            self.gc_pauses.append((now, now - self._gc_started))
+
+    def summary(self, start: float, end: float) -> dict:
+        gc.callbacks.remove(self._on_gc)
+        steps = [s for s in self.steps if start < s[0] <= end]
+        ratios = [s[1] / s[2] for s in steps if s[2]]
+        limited = [(s[1], s[3]) for s in steps if s[3]]
+        chunks = [s[4] for s in steps if s[4]]
+        return {"steps": len(steps), "step_p50_ms": 1e3 * statistics.median(s[1] for s in steps),
+                "step_p99_ms": 1e3 * percentile([s[1] for s in steps], 0.99),
+                "step_over_estimate_p50": statistics.median(ratios) if ratios else float("nan"),
+                "step_over_estimate_p99": percentile(ratios, 0.99) if ratios else float("nan"),
+                "steps_over_limit": sum(seconds > limit for seconds, limit in limited) / len(limited) if limited else float("nan"),
+                "limit_p50_ms": 1e3 * statistics.median(limit for _, limit in limited) if limited else float("nan"),
+                "chunk_p50": statistics.median(chunks) if chunks else 0.0,
+                "gc_ms": 1e3 * sum(seconds for t, seconds in self.gc_pauses if start < t <= end)}
+
+
+async def measure(model: str | None, scheduling: dict, streams: int, prompt_len: int, baseline_tokens: int,
+                  seed: int) -> dict:
     from metrale import AsyncEngine, EngineConfig, SamplingParams
 
-    config = EngineConfig(max_num_seqs=max(8, streams + 1), max_step_ms=max_step_ms, min_prefill_chunk=min_prefill_chunk,
-                          max_model_len=prompt_len + 1)
+    config = EngineConfig(model=model, max_num_seqs=max(8, streams + 1), max_model_len=prompt_len + 1, **scheduling)
     rng = random.Random(seed)
     async with AsyncEngine(config) as engine:
         await engine.complete([rng.randrange(100, 4000) for _ in range(600)], SamplingParams(max_tokens=4))
+        log = StepLog(engine._core.scheduler)  # in process: the core is there
         gaps: list[list[tuple[float, float]]] = [[] for _ in range(streams)]  # (time of delta, gap per token)
-        long_submitted = asyncio.Event()
         params = SamplingParams(max_tokens=prompt_len + 1 - 16, ignore_eos=True, temperature=0)
 
         async def stream(i: int) -> None:
@@ -60,7 +128,7 @@ async def measure(max_step_ms: float | None, min_prefill_chunk: int, streams: in
             await asyncio.sleep(0.05)
         submitted = time.perf_counter()
         long_prompt = [rng.randrange(100, 4000) for _ in range(prompt_len)]
-        async for out in engine.generate(long_prompt, SamplingParams(max_tokens=1)):
+        async for out in engine.generate(long_prompt, SamplingParams(max_tokens=1), request_id="long"):
             if out.token_ids:
                 break
         first_token = time.perf_counter()
@@ -72,13 +140,19 @@ async def measure(max_step_ms: float | None, min_prefill_chunk: int, streams: in
     return {"itl_before_p50_ms": 1e3 * statistics.median(before), "itl_before_p99_ms": 1e3 * percentile(before, 0.99),
             "itl_during_p50_ms": 1e3 * statistics.median(during), "itl_during_p99_ms": 1e3 * percentile(during, 0.99),
             "itl_during_max_ms": 1e3 * max(during), "long_ttft_s": first_token - submitted,
-            "tokens_during": len(during)}
+            "tokens_during": len(during), **log.summary(submitted, first_token)}, log.steps
 
 
-def run_variant(max_step_ms: str, args) -> dict:
-    cmd = [sys.executable, str(HERE), "--worker", "--max-step-ms", max_step_ms, "--streams", str(args.streams),
-           "--min-prefill-chunk", str(args.min_prefill_chunk),
+def run_variant(variant: str, args) -> dict:
+    cmd = [sys.executable, str(HERE), "--worker", "--variants", variant, "--streams", str(args.streams),
            "--prompt-len", str(args.prompt_len), "--baseline-tokens", str(args.baseline_tokens)]
+    if args.min_prefill_chunk is not None:
+        cmd += ["--min-prefill-chunk", str(args.min_prefill_chunk)]
+    if args.model is not None:
+        cmd += ["--model", args.model]
+    if args.steps_out is not None:
+        args.steps_out.mkdir(parents=True, exist_ok=True)
+        cmd += ["--steps-out", str(args.steps_out / f"{variant}-{time.strftime('%H%M%S')}.json")]
     out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True).stdout
     line = next(line for line in out.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -86,31 +160,36 @@ def run_variant(max_step_ms: str, args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--max-step-ms", nargs="+", default=["none", "60"], help="variants; 'none' is off")
+    p.add_argument("--variants", nargs="+", default=["none", "x2"], help="none, x<K>, ms<N>, x<K>+ms<N>; :f<N> floor")
+    p.add_argument("--model", help="GGUF path (default: the engine's default model)")
     p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--min-prefill-chunk", type=int, default=8)
+    p.add_argument("--min-prefill-chunk", type=int, help="default: the config's")
     p.add_argument("--prompt-len", type=int, default=8000)
     p.add_argument("--baseline-tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, help="write every round's numbers as JSON here")
+    p.add_argument("--steps-out", type=Path, help="a folder: each run's steps as JSON (end time, measured s, "
+                   "estimate s, limit s, long prompt tokens, step tokens, attention pairs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        (value,) = args.max_step_ms
-        result = asyncio.run(measure(None if value == "none" else float(value), args.min_prefill_chunk, args.streams, args.prompt_len,
-                                     args.baseline_tokens, seed=0))
+        (variant,) = args.variants
+        result, steps = asyncio.run(measure(args.model, parse_variant(variant, args.min_prefill_chunk), args.streams,
+                                            args.prompt_len, args.baseline_tokens, seed=0))
+        if args.steps_out is not None:
+            args.steps_out.write_text(json.dumps(steps) + "\n")
         print("RESULT " + json.dumps(result), flush=True)
         return
-    runs: dict[str, list[dict]] = {v: [] for v in args.max_step_ms}
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     for r in range(args.rounds):
-        for variant in args.max_step_ms:
+        for variant in args.variants:
             runs[variant].append(run_variant(variant, args))
-            print(f"round {r + 1} max_step_ms={variant}: {runs[variant][-1]}", file=sys.stderr, flush=True)
+            print(f"round {r + 1} {variant}: {runs[variant][-1]}", file=sys.stderr, flush=True)
     keys = list(next(iter(runs.values()))[0])
     print(f"median of {args.rounds} alternating rounds; {args.streams} streams, one {args.prompt_len}-token prompt")
-    print(f"{'max_step_ms':>11s} " + " ".join(f"{k:>18s}" for k in keys))
-    for variant, rs in runs.items():
-        print(f"{variant:>11s} " + " ".join(f"{statistics.median(x[k] for x in rs):18.1f}" for k in keys))
+    for k in keys:  # one row per measure: the variants side by side
+        print(f"{k:>24s} " + " ".join(f"{statistics.median(x[k] for x in rs):>10.3g}" for rs in runs.values()))
+    print(f"{'variant':>24s} " + " ".join(f"{v:>10s}" for v in runs))
     if args.out is not None:
         args.out.write_text(json.dumps(runs, indent=1) + "\n")
 

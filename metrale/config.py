@@ -63,7 +63,8 @@ class EngineConfig:
     max_lora_adapters: how many LoRA adapters may be registered at once (`add_lora`, the server's --lora-modules
         and /v1/load_lora_adapter together); one more is refused, naming this limit, before its folder is read.
     scheduler: the scheduling limits (max_num_seqs, max_num_batched_tokens, max_model_len,
-        max_waiting, policy, block_size, enable_prefix_caching, max_loras, max_step_ms, min_prefill_chunk);
+        max_waiting, policy, block_size, enable_prefix_caching, max_loras, max_step_ms, max_step_factor,
+        min_prefill_chunk);
         max_model_len None takes the model's context length, capped at 8192, when the engine starts.
     """
 

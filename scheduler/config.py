@@ -31,11 +31,16 @@ class SchedulerConfig:
         enable_prefix_caching: must match the KVCacheManager's.
         max_loras: most distinct LoRA adapters among the running requests (the runner's resident slots;
             a request for one more waits until one of them has no running request).
-        max_step_ms: a target time for a step that decodes running requests: its prompt chunks are
+        max_step_ms: a time limit for a step that decodes running requests: its prompt chunks are
             cut to fit it, by a cost model learned from the steps run (scheduler/step_cost.py), so a
-            long prompt does not stall the streams; None: chunks are bounded by tokens only.
-        min_prefill_chunk: prompt tokens the first chunk of a step gets even when the time target
-            leaves less room (prompts always progress).
+            long prompt does not stall the streams; None: no absolute limit.
+        max_step_factor: the same, relative: a step that decodes takes at most this many times the
+            estimated time of its decodes alone (it follows the load and the model size); None: no
+            relative limit. With both, the smaller limit holds; with neither, chunks are bounded by
+            tokens only (scheduler/step_budget.py).
+        min_prefill_chunk: prompt tokens the first chunk of a step gets even when the time limit
+            leaves less room (prompts always progress). 1: at 8k of context 8 tokens took ~250 ms on
+            135M (a loaded 2-core machine), so a floor of 8 held every step of a long prompt at 4x a 60 ms limit.
     """
 
     max_num_seqs: int = 64
@@ -47,7 +52,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_loras: int = 4
     max_step_ms: float | None = None
-    min_prefill_chunk: int = 8
+    max_step_factor: float | None = None
+    min_prefill_chunk: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -67,6 +73,10 @@ class SchedulerConfig:
                 isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, (int, float))
                 or not 0 < self.max_step_ms <= 3_600_000):  # also rejects NaN
             raise ValueError(f"max_step_ms must be None or a number in (0, 3600000], got {self.max_step_ms!r}")
+        if self.max_step_factor is not None and (
+                isinstance(self.max_step_factor, bool) or not isinstance(self.max_step_factor, (int, float))
+                or not 1 < self.max_step_factor <= 1000):  # also rejects NaN; 1 would leave chunks no room
+            raise ValueError(f"max_step_factor must be None or a number in (1, 1000], got {self.max_step_factor!r}")
         _check_int("min_prefill_chunk", self.min_prefill_chunk, 1)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")

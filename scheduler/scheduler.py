@@ -27,11 +27,13 @@ from scheduler.config import SchedulerConfig
 from scheduler.admission import check_admissible, check_forks
 from scheduler.errors import DuplicateRequestError, QueueFullError
 from scheduler.forks import PendingForks
-from scheduler.output import RequestEvent, ScheduledRequest, SchedulerOutput
+from scheduler.output import RequestEvent, SchedulerOutput
 from scheduler.integrity import check_integrity
 from scheduler.queue import WaitingQueue, make_waiting_queue
 from scheduler.samples import collect_samples
-from scheduler.step_cost import OnlineStepCost, StepCostModel, StepTimeBudget, StepWork, attention_pairs
+from scheduler.step_budget import StepLimit, StepTimeBudget
+from scheduler.step_cost import OnlineStepCost, StepCostModel, StepWork
+from scheduler.step_output import build_output
 from scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -54,8 +56,10 @@ class Scheduler:
     once (the runner holds that many): a request for another one waits at the head of the queue.
 
     Decodes first: a prompt chunk leaves one token of the budget to each running decode after it, and
-    with `max_step_ms` a step that decodes cuts its prompt chunks to fit that time, as `cost_model`
-    estimates it (learned from `observe_step` unless injected): a long prompt does not stall the streams.
+    a step that decodes cuts its prompt chunks to fit its time limit (`max_step_factor` x its decodes'
+    own time and/or `max_step_ms`), as `cost_model` estimates it (learned from `observe_step` unless
+    injected): a long prompt does not stall the streams. `last_step_estimate` / `last_step_limit` (seconds
+    or None) are the last planned step's estimate and limit, to compare with its measured time.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
@@ -87,6 +91,10 @@ class Scheduler:
         self.num_preemptions = 0  # total over the scheduler's life
         self._num_schedules = 0  # alternates the probe chunk while the cost model learns
         self.cost_model: StepCostModel = cost_model if cost_model is not None else OnlineStepCost()
+        self._step_limit = StepLimit(None if config.max_step_ms is None else config.max_step_ms / 1e3,
+                                     config.max_step_factor)
+        self.last_step_estimate: float | None = None
+        self.last_step_limit: float | None = None
 
     @property
     def num_running(self) -> int:
@@ -154,40 +162,55 @@ class Scheduler:
         num_new: dict[str, int] = {}  # request id -> tokens this step; running first, then admitted
         preempted: list[Request] = []
         drafts, self._drafts = self._drafts, {}
-        decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
-        timing = StepTimeBudget(self.cost_model, None if self.config.max_step_ms is None else self.config.max_step_ms / 1e3,
-                                self.config.min_prefill_chunk,
-                                StepWork(len(decodes), sum(r.num_computed_tokens + 1 for r in decodes)),
+        timing = StepTimeBudget(self.cost_model, self._step_limit, self.config.min_prefill_chunk,
+                                self._decode_work() if self._step_limit.is_set else StepWork(),
                                 probe=self._num_schedules % 2 == 1)
         self._num_schedules += 1
-        budget = self._schedule_running(num_new, preempted, drafts, self.config.max_num_batched_tokens,
-                                        timing, len(decodes))
+        budget = self._schedule_running(num_new, preempted, drafts, self.config.max_num_batched_tokens, timing)
         drafts = {rid: d for rid, d in drafts.items() if rid in num_new}  # scheduled with them, nobody else
         if not preempted:  # blocks are short: admitting now would only preempt again
             self._schedule_waiting(num_new, budget, timing)
-        return self._build_output(num_new, preempted, drafts)
+        self.last_step_estimate, self.last_step_limit = timing.planned_s(), timing.limit_s
+        output = build_output(num_new, preempted, drafts, self._requests, self.kv_cache_manager,
+                              self._pending_copies, self.config.block_size)
+        self._pending_copies = {}
+        return output
+
+    def _decode_work(self) -> StepWork:
+        """The running decodes (one known token to compute) as cost-model work: one pass over the running."""
+        num_decodes = num_pairs = 0
+        for r in self._running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                num_decodes += 1
+                num_pairs += r.num_computed_tokens + 1
+        return StepWork(num_decodes, num_pairs)
+
+    def _num_decodes_from(self, i: int) -> int:
+        """Running decodes at index i and after: the tokens a prompt chunk before them leaves."""
+        return sum(1 for r in self._running[i:] if r.num_tokens - r.num_computed_tokens == 1)
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """The runner computed `output` in `seconds`: teaches the cost model that `max_step_ms` uses."""
-        work = StepWork()
-        for s in output.scheduled:
-            work = work + StepWork(s.num_tokens, attention_pairs(s.start_position, s.num_tokens), len(s.token_ids) > 1)
+        """The runner computed `output` in `seconds`: teaches the cost model that the step limit uses."""
+        work = StepWork.of_output(output)
         if work.num_tokens:
             self.cost_model.observe(work, seconds)
 
     def _schedule_running(self, num_new: dict[str, int], preempted: list[Request],
-                          drafts: dict[str, tuple[int, ...] | int], budget: int,
-                          timing: StepTimeBudget, num_decodes: int) -> int:
+                          drafts: dict[str, tuple[int, ...] | int], budget: int, timing: StepTimeBudget) -> int:
         """Schedule running requests; `drafts` keeps only the drafts of those scheduled with them.
-        A prompt chunk leaves a token to each of the `num_decodes` decodes after it and fits `timing`."""
+        A prompt chunk leaves a token to each decode after it and fits `timing`."""
         i = 0
+        num_decodes: int | None = None  # decodes not reached yet: counted at the first chunk only
         while i < len(self._running) and budget > 0:
             req = self._running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, budget)
             if remaining == 1:
-                num_decodes -= 1
+                if num_decodes is not None:
+                    num_decodes -= 1
             elif n > 1:  # a prompt chunk (or a recomputation)
+                if num_decodes is None:
+                    num_decodes = self._num_decodes_from(i + 1)
                 n = timing.fit_chunk(req.num_computed_tokens, min(n, budget - num_decodes))
             if n <= 0:  # nothing left to compute (update() not called for its last step), or no room
                 i += 1
@@ -208,7 +231,8 @@ class Scheduler:
                     break
             if scheduled:
                 num_new[req.request_id] = n
-                timing.take_chunk(req.num_computed_tokens, n)
+                if remaining > 1:
+                    timing.take_chunk(req.num_computed_tokens, n)
                 budget -= n
                 i += 1
         return budget
@@ -236,12 +260,14 @@ class Scheduler:
     def _schedule_waiting(self, num_new: dict[str, int], budget: int, timing: StepTimeBudget) -> None:
         kv = self.kv_cache_manager
         seats = len(self._running) + self._forks.num_seats(lambda rid: self._requests[rid].status is _RUNNING)
-        adapters = {r.lora for r in self._running if r.lora is not None}  # the runner's slots hold these
+        adapters: set[Any] | None = None  # the runner's slots hold these: gathered when a LoRA request is at the head
         while self._waiting and budget > 0:
             req = self._waiting.peek()
             group = 1 + self._forks.count(req.request_id)
             if seats + group > self.config.max_num_seqs:
                 break
+            if req.lora is not None and adapters is None:
+                adapters = {r.lora for r in self._running if r.lora is not None}
             if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras:
                 break  # max_loras adapters run already: the head waits for one of them to finish
             blocks, num_hit = ([], 0) if req.skip_reading_prefix_cache else kv.get_computed_blocks(req)
@@ -261,7 +287,7 @@ class Scheduler:
             timing.take_chunk(num_hit, n)
             budget -= n
             seats += group
-            if req.lora is not None:
+            if req.lora is not None and adapters is not None:
                 adapters.add(req.lora)
 
     def _fork_children(self, parent: Request) -> None:
@@ -278,40 +304,6 @@ class Scheduler:
             bisect.insort(self._running, child, key=self._urgency)
             if copies:
                 self._pending_copies[child.request_id] = copies
-
-    def _build_output(self, num_new: dict[str, int], preempted: list[Request],
-                      drafts: dict[str, tuple[int, ...] | int]) -> SchedulerOutput:
-        scheduled = []
-        for rid, n in num_new.items():
-            req = self._requests[rid]
-            start = req.num_computed_tokens
-            end = start + n
-            draft = drafts.get(rid, 0)
-            k = draft if isinstance(draft, int) else len(draft)
-            scheduled.append(
-                ScheduledRequest(
-                    request_id=rid,
-                    token_ids=tuple(req.all_token_ids[start:end]),
-                    start_position=start,
-                    block_table=self.kv_cache_manager.block_ids(rid),
-                    samples=end == req.num_tokens,
-                    num_draft_tokens=k,
-                    draft_token_ids=() if isinstance(draft, int) else draft,
-                    lora=req.lora,
-                )
-            )
-            req.num_computed_tokens = end + k  # drafts rolled back in update()
-        # a child preempted before its copy ran has freed the copy's block: its copy is dropped
-        copies = tuple(c for rid, pairs in self._pending_copies.items() if self._requests.get(rid) is not None
-                       and self._requests[rid].status is _RUNNING for c in pairs)
-        self._pending_copies = {}
-        return SchedulerOutput(
-            scheduled=tuple(scheduled),
-            num_batched_tokens=sum(s.num_tokens for s in scheduled),
-            preempted_request_ids=tuple(r.request_id for r in preempted),
-            block_size=self.config.block_size,
-            block_copies=copies,
-        )
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[RequestEvent]:
         """Apply one step's sampled tokens; finish requests on eos, stop token ids or max_tokens.

@@ -10,17 +10,24 @@ s adds n*s + n*(n+1)/2; a decode at position s adds s + 1. At 8k context this te
 
 `OnlineStepCost` fits the three coefficients by non-negative least squares over the most recent steps
 that held a prompt chunk and, separately, the most recent decode-only steps (decodes are most steps: a
-single window of them would leave the per-token cost of a chunk unidentified). Same observations in,
+single window of them would leave the per-token cost of a chunk unidentified; a decode-only step older
+than the chunk window is left out: it is from another load). Same observations in,
 same estimates out: the engine measures, the scheduler only reads numbers.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from scheduler.output import SchedulerOutput
+
+RECENT_DECODE_STEPS = 3  # decode-only steps whose median is the streams' step time now (one runs per 16 chunk steps)
 
 
 def attention_pairs(start: int, num_tokens: int) -> int:
@@ -44,6 +51,18 @@ class StepWork:
     def of_chunk(cls, start: int, num_tokens: int) -> StepWork:
         return cls(num_tokens, attention_pairs(start, num_tokens), num_tokens > 1)
 
+    @classmethod
+    def of_output(cls, output: SchedulerOutput) -> StepWork:
+        """The work of a planned step: its tokens (drafts included) and their attention pairs; it has a chunk
+        when a request computes several known tokens or one that does not sample (a 1-token prompt chunk)."""
+        num_tokens = num_pairs = 0
+        has_chunk = False
+        for s in output.scheduled:
+            num_tokens += s.num_tokens
+            num_pairs += attention_pairs(s.start_position, s.num_tokens)
+            has_chunk = has_chunk or len(s.token_ids) > 1 or not s.samples  # a decode always samples
+        return cls(num_tokens, num_pairs, has_chunk)
+
 
 class StepCostModel(Protocol):
     """Estimates a step's time; tests inject a fixed one, the engine uses OnlineStepCost."""
@@ -54,12 +73,26 @@ class StepCostModel(Protocol):
     def observe(self, work: StepWork, seconds: float) -> None:
         """A step of this size took `seconds`."""
 
+    def largest_known_step(self) -> int | None:
+        """The most tokens of a recent step with a prompt chunk (None: no bound). A step of many more tokens
+        than were measured is an extrapolation: big chunks are compute-bound where small ones ride the
+        decodes' weight reads, which a linear fit of small steps does not know."""
+
+    def decode_step_seconds(self, decodes: StepWork) -> float | None:
+        """What a step of these decodes alone takes now (None while unknown): the base of a relative limit."""
+
+    def wants_decode_step(self) -> bool:
+        """Its decode-only steps are stale (a long prompt has run beside the streams): one step without
+        prompt chunks would tell it what the streams' step costs under today's load."""
+
 
 class OnlineStepCost:
     """Non-negative least squares of (fixed, per_token, per_pair) over recent steps.
 
     `estimate` answers once `min_observations` steps with a prompt chunk were seen and the kept steps
-    have two token counts at least (one alone cannot tell the fixed cost from the per-token one).
+    have two token counts at least (one alone cannot tell the fixed cost from the per-token one). When
+    later the kept steps have one token count only (a long prompt whose chunks settled at one size beside
+    the same streams), the last fit is scaled by one factor to match them: it still follows the load.
 
     Args:
         window: steps kept per kind (with a prompt chunk / decode only).
@@ -70,7 +103,10 @@ class OnlineStepCost:
         if window < 1 or min_observations < 1 or min_observations > window:
             raise ValueError(f"need 1 <= min_observations ({min_observations}) <= window ({window})")
         self._chunk_steps: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._decode_steps: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # decode-only steps, each with the number of chunk steps seen before it: one older than the chunk
+        # window (`window` chunk steps since) is from another load and is left out of the fit
+        self._decode_steps: deque[tuple[float, float, float, int]] = deque(maxlen=window)
+        self._num_chunk_steps = 0
         self._min_observations = min_observations
         self._coefficients: tuple[float, float, float] | None = None
         self._stale = False  # steps observed since the last fit
@@ -78,8 +114,12 @@ class OnlineStepCost:
     def observe(self, work: StepWork, seconds: float) -> None:
         if not seconds >= 0.0 or work.num_tokens <= 0:  # `not >=` also rejects NaN
             raise ValueError(f"a step of {work.num_tokens} tokens cannot take {seconds!r} s")
-        window = self._chunk_steps if work.has_chunk else self._decode_steps
-        window.append((float(work.num_tokens), float(work.num_attention_pairs), float(seconds)))
+        row = (float(work.num_tokens), float(work.num_attention_pairs), float(seconds))
+        if work.has_chunk:
+            self._chunk_steps.append(row)
+            self._num_chunk_steps += 1
+        else:
+            self._decode_steps.append((*row, self._num_chunk_steps))
         self._stale = True
 
     @property
@@ -89,10 +129,29 @@ class OnlineStepCost:
         asked for (max_step_ms set), once per step at most."""
         if self._stale:
             self._stale = False
-            steps = list(itertools.chain(self._chunk_steps, self._decode_steps))
+            oldest = self._num_chunk_steps - (self._chunk_steps.maxlen or 0)
+            steps = list(itertools.chain(self._chunk_steps, (row[:3] for row in self._decode_steps if row[3] > oldest)))
             if len(self._chunk_steps) >= self._min_observations and len({tokens for tokens, _, _ in steps}) >= 2:
                 self._coefficients = _nonnegative_fit(steps)
+            elif self._coefficients is not None:  # e.g. a prompt's chunks settled at one size: keep the shape
+                self._coefficients = _rescaled(self._coefficients, steps)
         return self._coefficients
+
+    def largest_known_step(self) -> int | None:
+        return int(max(tokens for tokens, _, _ in self._chunk_steps)) if self._chunk_steps else None
+
+    def decode_step_seconds(self, decodes: StepWork) -> float | None:
+        """The median measured time of the last RECENT_DECODE_STEPS decode-only steps when they had as many
+        decodes (the fit extrapolates to small steps poorly: its fixed term drifts with the chunk steps'
+        noise), else the estimate."""
+        recent = [seconds for tokens, _, seconds, _ in itertools.islice(reversed(self._decode_steps), RECENT_DECODE_STEPS)
+                  if tokens == decodes.num_tokens]
+        return statistics.median(recent) if recent else self.estimate(decodes)
+
+    def wants_decode_step(self) -> bool:
+        """True once half the chunk window was observed after the newest decode-only step."""
+        newest = self._decode_steps[-1][3] if self._decode_steps else 0
+        return self._num_chunk_steps - newest >= max(1, (self._chunk_steps.maxlen or 0) // 2)
 
     def estimate(self, work: StepWork) -> float | None:
         coefficients = self.coefficients
@@ -124,6 +183,18 @@ def _nonnegative_fit(rows: Iterable[tuple[float, float, float]]) -> tuple[float,
     return best[1] if best is not None else (0.0, 0.0, 0.0)
 
 
+def _rescaled(coefficients: tuple[float, float, float],
+              rows: Iterable[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """`coefficients` times the least-squares factor that fits `rows` (unchanged when they predict 0)."""
+    fixed, per_token, per_pair = coefficients
+    predicted = [(fixed + per_token * tokens + per_pair * pairs, seconds) for tokens, pairs, seconds in rows]
+    norm = sum(p * p for p, _ in predicted)
+    if norm <= 0.0:
+        return coefficients
+    factor = sum(p * y for p, y in predicted) / norm
+    return fixed * factor, per_token * factor, per_pair * factor
+
+
 def _solve_normal_equations(xs: list[list[float]], ys: list[float], terms: tuple[int, ...]) -> list[float] | None:
     """Least squares on the columns `terms` by Gaussian elimination; None when they are degenerate."""
     k = len(terms)
@@ -139,52 +210,3 @@ def _solve_normal_equations(xs: list[list[float]], ys: list[float], terms: tuple
                 factor = a[r][col] / a[col][col]
                 a[r] = [v - factor * p for v, p in zip(a[r], a[col])]
     return [a[i][k] / a[i][i] for i in range(k)]
-
-
-class StepTimeBudget:
-    """One step's time budget: decodes first, then prompt chunks sized to fit `limit_s`.
-
-    Inactive (every chunk keeps its size) when the step has no decodes to protect or no limit is set.
-    While the cost model knows too little, the first chunk is `min_chunk` tokens, or twice that when
-    `probe` is set (the scheduler alternates it): small steps of two sizes that teach it.
-    The first chunk of a step gets at least `min_chunk` tokens even over the limit, so prompts progress.
-    """
-
-    def __init__(self, cost_model: StepCostModel, limit_s: float | None, min_chunk: int, decodes: StepWork,
-                 probe: bool = False) -> None:
-        self._cost_model = cost_model
-        self._limit_s = limit_s
-        self._min_chunk = min_chunk
-        self._probe_chunk = min_chunk * (2 if probe else 1)
-        self._work = decodes
-        self._active = limit_s is not None and decodes.num_tokens > 0
-        self._chunks = 0
-
-    def fit_chunk(self, start: int, num_tokens: int) -> int:
-        """How many of `num_tokens` prompt tokens starting at position `start` fit (0: none this step)."""
-        if not self._active or num_tokens <= 1:
-            return num_tokens
-        floor = min(num_tokens, self._min_chunk) if self._chunks == 0 else 0
-        if self._cost_model.estimate(self._work) is None:
-            fitted = min(num_tokens, self._probe_chunk) if self._chunks == 0 else 0
-        else:
-            fitted = max(floor, self._largest_fitting(start, num_tokens))
-        return fitted
-
-    def take_chunk(self, start: int, num_tokens: int) -> None:
-        """Charge a scheduled chunk (after fit_chunk) to the step."""
-        if self._active and num_tokens > 1:
-            self._work = self._work + StepWork.of_chunk(start, num_tokens)
-            self._chunks += 1
-
-    def _largest_fitting(self, start: int, num_tokens: int) -> int:
-        """Binary search: the cost is monotone in the chunk length."""
-        lo, hi = 0, num_tokens  # lo fits (adds nothing), look for the largest fitting
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            estimate = self._cost_model.estimate(self._work + StepWork.of_chunk(start, mid))
-            if estimate is not None and estimate <= self._limit_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo

@@ -59,6 +59,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return parser
 
 
+# The server's step limit (an embedded engine has none by default: its chunks then do not depend on timing).
+# Measured (benchmarks/results/long_prompt_sched.md): with 4 streams and an 8k prompt on 135M the streams'
+# ITL p50 fell from 1.6 s to 135 ms at 1.00x TTFT for the prompt (quiet machine; 1.13-1.38x when busy); 1B with
+# a 4k prompt: 3.5 s to 409 ms at 1.27x. A smaller factor costs the prompt more: 2x measured 3.2-5.4x TTFT.
+SERVE_MAX_STEP_FACTOR = 8.0
+
+
+def _factor_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve flags: engine configuration, then HTTP and lifecycle."""
     defaults = EngineConfig()
@@ -74,8 +85,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt + output tokens per request (default: the model's, capped at 8192)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     engine.add_argument("--max-step-ms", type=float, default=defaults.max_step_ms,
-                        help="target time of a step that decodes: a long prompt's chunks shrink to fit it "
-                             "(the streams keep their pace); omitted: chunks bounded by tokens only")
+                        help="time limit of a step that decodes: a long prompt's chunks shrink to fit it "
+                             "(the streams keep their pace); omitted: no absolute limit")
+    engine.add_argument("--max-step-factor", type=_factor_or_none, default=SERVE_MAX_STEP_FACTOR,
+                        help="relative limit of a step that decodes: this many times the measured time of its "
+                             "decodes alone, so a long prompt does not stall the streams (with --max-step-ms: "
+                             f"the smaller limit holds); 'none' turns it off (default: {SERVE_MAX_STEP_FACTOR:g})")
+    engine.add_argument("--min-prefill-chunk", type=int, default=defaults.min_prefill_chunk,
+                        help="prompt tokens a step's first chunk gets even over the step's time limit")
     engine.add_argument("--kv-cache-mib", type=int, default=defaults.kv_cache_bytes >> 20,
                         help="KV cache pool size in MiB, allocated once at start")
     engine.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
@@ -204,7 +221,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=None if serves_many(args) else args.model, dtype=args.dtype,
                         kv_cache_bytes=args.kv_cache_mib << 20, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_step_ms=args.max_step_ms,
+                        max_step_ms=args.max_step_ms, max_step_factor=args.max_step_factor,
+                        min_prefill_chunk=args.min_prefill_chunk,
                         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                         seed=args.seed, speculative_config=args.speculative_config,
                         tensor_parallel_size=args.tensor_parallel, generation_config=args.generation_config,

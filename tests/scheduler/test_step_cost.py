@@ -1,10 +1,10 @@
-"""The step cost model (learned online) and one step's time budget, on made-up step times."""
+"""The step cost model (learned online), on made-up step times."""
 
 import math
 
 import pytest
 
-from scheduler.step_cost import OnlineStepCost, StepTimeBudget, StepWork, attention_pairs
+from scheduler.step_cost import OnlineStepCost, StepWork, attention_pairs
 
 
 def true_cost(work: StepWork) -> float:
@@ -102,33 +102,43 @@ class Linear:
     def observe(self, work, seconds):
         raise AssertionError("a fixed model learns nothing")
 
+    def largest_known_step(self):
+        return None  # exact at any size
 
-def test_budget_fits_the_chunk_to_the_time_left_after_the_decodes():
-    budget = StepTimeBudget(Linear(), limit_s=0.050, min_chunk=8, decodes=StepWork(4, 400))
-    # 10 ms fixed + 4 decode tokens = 14 ms; 36 more tokens fit in 50 ms
-    assert budget.fit_chunk(0, 500) == 36
-    assert budget.fit_chunk(0, 20) == 20  # a short chunk fits whole
+    def decode_step_seconds(self, decodes):
+        return self.estimate(decodes)
 
-
-def test_budget_shrinks_chunks_at_long_context():
-    model = Linear(per_pair=1e-7)
-    near = StepTimeBudget(model, 0.050, 8, StepWork(4, 400)).fit_chunk(0, 500)
-    far = StepTimeBudget(model, 0.050, 8, StepWork(4, 400)).fit_chunk(8000, 500)
-    assert far < near
-    work = StepWork(4, 400) + StepWork.of_chunk(8000, far)
-    assert model.estimate(work) <= 0.050 < model.estimate(work + StepWork.of_chunk(8000 + far, 1))
+    def wants_decode_step(self):
+        return False
 
 
-def test_first_chunk_gets_the_floor_and_later_ones_only_what_is_left():
-    budget = StepTimeBudget(Linear(), limit_s=0.015, min_chunk=8, decodes=StepWork(4, 400))
-    first = budget.fit_chunk(0, 500)
-    assert first == 8  # only 1 token fits in time; the floor keeps the prompt moving
-    budget.take_chunk(0, first)
-    assert budget.fit_chunk(0, 300) == 0
+def test_steps_of_one_token_count_rescale_the_last_fit_to_follow_the_load():
+    model = OnlineStepCost(window=8)
+    teach(model)
+    fitted = model.coefficients
+    step = StepWork(17, 5000, True)  # a long prompt's chunks settled at one size beside the same streams
+    for _ in range(8):
+        model.observe(step, 3 * true_cost(step))  # the machine got 3x busier
+    assert model.coefficients is not None
+    assert model.coefficients == pytest.approx(tuple(3 * c for c in fitted))
+    assert model.estimate(step) == pytest.approx(3 * true_cost(step))
 
 
-def test_budget_is_off_without_decodes_or_limit_and_floors_while_unlearned():
-    assert StepTimeBudget(Linear(), 0.015, 8, StepWork()).fit_chunk(0, 500) == 500
-    assert StepTimeBudget(Linear(), None, 8, StepWork(4, 400)).fit_chunk(0, 500) == 500
-    assert StepTimeBudget(OnlineStepCost(), 0.5, 8, StepWork(4, 400)).fit_chunk(0, 500) == 8
-    assert StepTimeBudget(OnlineStepCost(), 0.5, 8, StepWork(4, 400), probe=True).fit_chunk(0, 500) == 16
+def test_decode_step_time_is_the_median_of_recent_decode_only_steps_of_as_many_decodes():
+    model = OnlineStepCost()
+    teach(model)
+    assert model.decode_step_seconds(StepWork(8, 800)) == model.estimate(StepWork(8, 800))  # none of 8 measured
+    for seconds in (0.050, 0.010, 0.030, 0.020, 0.900):  # the older ones fall out of the last three
+        model.observe(StepWork(4, 4000), seconds)
+    assert model.decode_step_seconds(StepWork(4, 4000)) == 0.030
+
+
+def test_the_work_of_a_step_counts_a_one_token_prompt_chunk_as_a_chunk():
+    from scheduler import ScheduledRequest, SchedulerOutput
+
+    decode = ScheduledRequest("d", (5,), 40, (0, 1, 2), samples=True, num_draft_tokens=2)
+    one = ScheduledRequest("p", (6,), 100, (3,) * 7, samples=False)  # a prompt's 1-token chunk, not its last
+    output = SchedulerOutput((decode,), 3, (), 16)
+    assert StepWork.of_output(output) == StepWork(3, attention_pairs(40, 3), False)
+    both = SchedulerOutput((decode, one), 4, (), 16)
+    assert StepWork.of_output(both) == StepWork(4, attention_pairs(40, 3) + 101, True)

@@ -4,7 +4,7 @@ the running streams' tokens."""
 import pytest
 
 from kvcache.manager import KVCacheManager
-from scheduler import Scheduler, SchedulerConfig
+from scheduler import RequestStatus, Scheduler, SchedulerConfig
 from scheduler.step_cost import OnlineStepCost, StepWork
 from tests.scheduler.drive import make_request, step
 from tests.scheduler.test_step_cost import Linear
@@ -95,16 +95,71 @@ def test_the_engine_teaches_the_default_model_through_observe_step():
             work = work + StepWork.of_chunk(s.start_position, len(s.token_ids))
         sched.observe_step(out, truth.estimate(work))
         sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
-        sizes.append(chunks_of(out, "long")[0])
+        sizes.extend(chunks_of(out, "long") or [0])  # 0: a step that measures the decodes alone
     assert sorted(sizes[:2]) == [8, 16]  # nothing learned about chunks yet: probes of two sizes
     assert sched.cost_model.estimate(StepWork(9, 99, True)) == pytest.approx(truth.estimate(StepWork(9, 99)))
     assert all(size < 36 for size in sizes[1:]) and max(sizes) > 8
+    assert 1 <= sizes.count(0) <= 40 // 16 + 1  # decode-only steps, when those it knows are 16 chunk steps old
     sched.check_integrity()
 
 
 @pytest.mark.parametrize(("field", "value"), [("max_step_ms", 0), ("max_step_ms", float("nan")),
                                               ("max_step_ms", True), ("max_step_ms", "50"),
+                                              ("max_step_factor", 1.0), ("max_step_factor", float("nan")),
+                                              ("max_step_factor", False), ("max_step_factor", 1001),
                                               ("min_prefill_chunk", 0)])
 def test_bad_time_target_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+def test_under_a_relative_limit_streams_decode_every_step_and_the_prompt_finishes():
+    model = Linear(fixed=0.010, per_token=0.001, per_pair=1e-7)
+    sched = make(model, max_step_factor=2.0, min_prefill_chunk=1)
+    start_streams(sched)
+    sched.add(make_request("long", 600, max_tokens=1, arrival_time=10.0))
+    sizes = []
+    while sched.get_request("long") is not None:
+        assert len(sizes) < 600  # the prompt progresses every step: it cannot starve
+        out, _ = step(sched)
+        assert all(chunks_of(out, f"s{i}") == [1] for i in range(4))  # every stream, every step
+        decodes, work = StepWork(), StepWork()
+        for s in out.scheduled:
+            part = StepWork.of_chunk(s.start_position, len(s.token_ids))
+            work = work + part
+            decodes = decodes + (part if s.request_id != "long" else StepWork())
+        assert sched.last_step_limit == pytest.approx(2 * model.estimate(decodes))
+        assert model.estimate(work) <= sched.last_step_limit * (1 + 1e-9) or chunks_of(out, "long") == [1]
+        sizes.append(chunks_of(out, "long")[0])
+    assert sum(sizes) == 600 and max(sizes) <= 14
+    for i in range(4):
+        sched.finish(f"s{i}", RequestStatus.FINISHED_ABORTED)
+    sched.check_integrity()
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks  # every block freed
+
+
+def test_the_relative_limit_follows_the_decode_step_the_engine_teaches():
+    sched = make(None, num_blocks=1024, max_step_factor=2.0, min_prefill_chunk=1)
+    start_streams(sched)
+    sched.add(make_request("long", 2000, max_tokens=1, arrival_time=10.0))
+    slowdown = 1.0
+    sizes = []
+    for n in range(120):
+        if n == 60:
+            slowdown = 3.0  # the machine gets busy: every step takes 3x as long
+        out = sched.schedule()
+        work = StepWork()
+        for s in out.scheduled:
+            work = work + StepWork.of_chunk(s.start_position, len(s.token_ids))
+        sched.observe_step(out, slowdown * (0.010 + 0.001 * work.num_tokens + 1e-8 * work.num_attention_pairs))
+        sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
+        if chunks_of(out, "long"):  # not a step that measures the decodes alone
+            sizes.append((chunks_of(out, "long")[0], sched.last_step_limit))
+    # learned (after the probes), the chunk leaves the streams' step at 2x their decode-only time; once the
+    # windows hold only slow steps, the limit is 3x longer in seconds and the chunks keep their size
+    settled, slowed = sizes[35:55], sizes[90:110]
+    assert min(limit for _, limit in slowed) > 2.5 * max(limit for _, limit in settled)
+    assert abs(sum(c for c, _ in slowed) / 20 - sum(c for c, _ in settled) / 20) <= 1
+    assert len(sizes) < 120
+    assert all(c >= 1 for c, _ in sizes) and all(c <= 13 for c, _ in settled + slowed)
+    sched.check_integrity()

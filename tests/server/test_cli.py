@@ -8,7 +8,7 @@ import pytest
 
 from metrale.config import EngineConfig
 from metrale.settings import RuntimeSettings
-from metrale.server.cli import add_serve_parser, engine_config
+from metrale.server.cli import SERVE_MAX_STEP_FACTOR, add_serve_parser, engine_config
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -19,8 +19,9 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_are_the_engine_defaults_on_loopback():
     args = _parse()
-    assert engine_config(args) == EngineConfig(engine_process=True)  # the server's one difference
-    assert engine_config(_parse("--no-engine-process")) == EngineConfig()
+    # the server's differences: an engine process, and a step limit that keeps streams going beside long prompts
+    assert engine_config(args) == EngineConfig(engine_process=True, max_step_factor=SERVE_MAX_STEP_FACTOR)
+    assert engine_config(_parse("--no-engine-process", "--max-step-factor", "none")) == EngineConfig()
     assert (args.host, args.port, args.api_key, args.shutdown_timeout) == ("127.0.0.1", 8000, None, 30.0)
     assert callable(args.func)
 
@@ -32,6 +33,13 @@ def test_flags_map_onto_engine_config():
     assert (config.model, config.max_num_seqs, config.max_waiting, config.max_model_len) == ("m.gguf", 1, 2, 256)
     assert config.kv_cache_bytes == 64 << 20 and config.enable_prefix_caching is False
     assert (args.api_key, args.port) == ("k", 9000)
+
+
+def test_step_time_flags_map_onto_the_scheduler():
+    config = engine_config(_parse("--max-step-ms", "80", "--max-step-factor", "2.5", "--min-prefill-chunk", "4"))
+    assert (config.max_step_ms, config.max_step_factor, config.min_prefill_chunk) == (80.0, 2.5, 4)
+    with pytest.raises(ValueError, match="max_step_factor"):
+        engine_config(_parse("--max-step-factor", "0.5"))
 
 
 def test_api_key_from_the_environment(monkeypatch):

@@ -84,3 +84,22 @@ async def test_without_a_target_the_long_prompt_takes_the_budget_left_by_the_dec
              if s.request_id == "long"]
     assert sizes[:-1] == [60] * (len(sizes) - 1)  # the streams still decode every step, in long steps
     assert max(clock.step_seconds[i] for i in chunked) > 0.020
+
+
+async def test_under_a_relative_limit_chunk_steps_stay_within_twice_the_streams_decode_step():
+    engine, clock = await run_streams_and_long_prompt(max_step_factor=2.0, min_prefill_chunk=1)
+    chunked = long_prompt_steps(engine)
+    for i in chunked:
+        scheduled = engine.runner.steps[i].scheduler_output.scheduled
+        assert all(any(s.request_id == f"s{k}" and len(s.token_ids) == 1 for s in scheduled) for k in range(4))
+    learned = chunked[2:]  # two probe chunks teach the cost model, then it is exact on this clock
+    for i in learned:
+        decodes = StepWork()
+        for s in engine.runner.steps[i].scheduler_output.scheduled:
+            if s.request_id != "long":
+                decodes = decodes + StepWork.of_chunk(s.start_position, s.num_tokens)
+        decode_only = 0.002 + 0.0005 * decodes.num_tokens + 1e-7 * decodes.num_attention_pairs
+        assert clock.step_seconds[i] <= 2 * decode_only + 1e-9
+    sizes = [s.num_tokens for i in learned for s in engine.runner.steps[i].scheduler_output.scheduled
+             if s.request_id == "long"]
+    assert min(sizes) >= 1 and max(sizes) < 60  # cut, and still moving every step
