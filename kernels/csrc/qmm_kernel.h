@@ -85,6 +85,11 @@ inline kernel::v8i round8(v8f v) {
   std::memcpy(f, &v, sizeof(f));
   const __m128i i[2] = {_mm_cvtps_epi32(f[0]), _mm_cvtps_epi32(f[1])};
   std::memcpy(&out, i, sizeof(out));
+#elif defined(METRALE_QMM_NEON)
+  float32x4_t f[2];
+  std::memcpy(f, &v, sizeof(f));
+  const int32x4_t i[2] = {vcvtnq_s32_f32(f[0]), vcvtnq_s32_f32(f[1])};  // ties to even, as cvtps2dq
+  std::memcpy(&out, i, sizeof(out));
 #else
   for (int j = 0; j < kW; ++j) out[j] = static_cast<int32_t>(__builtin_rintf(v[j]));
 #endif
