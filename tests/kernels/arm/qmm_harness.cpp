@@ -6,13 +6,15 @@
 // tokens, 40 rows: the last panel padded), on random weights packed here from q (N, K) by the layout of
 // kernel_table.h:
 //   - qmm_quantize against a reference of its arithmetic (X, hi/lo, d, sum X exactly; xsum within 1e-6),
+//   - the GLU epilogue (silu, gelu_tanh) of a (gate, up) panel pair within 1e-5 of its definition,
 //   - qmm_panels (called in two pieces over panels and tokens) against a reference computed from the
 //     unpacked q (N, K) and the quantized activations: exact integer block sums, then the float epilogue
 //     of the AVX-512 tile (fma(float(ia), s * d, acc) per block, fma(bias, xsum, acc) per group). Every
 //     set but scalar must match it bit for bit; scalar (plain loops, the compiler decides on fusing)
 //     within 1e-6 of sum |terms|.
 // Prints `isas <names>` (the sets this CPU runs, best last; also alone with --isas), one line
-// `case <set> <case> <digest>` per case (FNV-1a of the quantized activations and outputs: equal digests
+// `case <set> <case> <digest> <digest>` per case (FNV-1a of the quantized activations, then also of the
+// plain and GLU outputs: equal digests
 // across sets and machines mean equal bits), and exits 1 after `FAIL ...` lines on any mismatch.
 #include <cmath>
 #include <cstdint>
@@ -196,6 +198,36 @@ std::vector<float> reference(const Case& c, const Weights& w, const Acts& a, std
   return y;
 }
 
+// The GLU epilogue: panels 0 and 1 as one (gate, up) pair, 16 columns of act(gate) * up, for silu and
+// gelu_tanh, against act computed in double from this set's own plain outputs y (rows 0..15 and 16..31;
+// the weights' range makes some gates < -88, where sigmoid8 is 0 by design).
+// Returns both results (silu's then gelu's) for the digest.
+std::vector<float> check_glu(const std::string& where, const Case& c, const metrale::KernelTable& table,
+                             const metrale::QmmWeights& qw, const metrale::QmmActs& acts, const std::vector<float>& y) {
+  std::vector<float> both;
+  for (auto kind : {metrale::GatedKind::silu, metrale::GatedKind::gelu_tanh}) {
+    std::vector<float> out(c.tokens * kPanelRows);
+    table.qmm_panels(qw, acts, metrale::QmmOut{out.data(), kPanelRows, 0, kPanelRows, static_cast<int>(kind)}, 0, 1,
+                     0, c.tokens);
+    for (int t = 0; t < c.tokens; ++t)
+      for (int r = 0; r < kPanelRows; ++r) {
+        const double g = y[t * kRows + r], u = y[t * kRows + kPanelRows + r];
+        const double z = kind == metrale::GatedKind::silu ? g : 2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g);
+        const double sigmoid = z < -88.0 ? 0.0 : 1.0 / (1.0 + std::exp(-z));  // vecmath.h: 0 below -88
+        const double expected = g * sigmoid * u, got = out[t * kPanelRows + r];
+        if (!(std::fabs(got - expected) <= 1e-5 * std::fabs(expected) + 1e-37)) {
+          char text[160];
+          std::snprintf(text, sizeof(text), "GLU %d at token %d row %d: %.9g, expected %.9g (g %.9g u %.9g)",
+                        static_cast<int>(kind), t, r, got, expected, g, u);
+          fail(where, text);
+          return both;
+        }
+      }
+    both.insert(both.end(), out.begin(), out.end());
+  }
+  return both;
+}
+
 uint64_t fnv1a(uint64_t h, const void* data, size_t bytes) {
   const auto* p = static_cast<const uint8_t*>(data);
   for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
@@ -240,6 +272,8 @@ void run_case(const std::string& isa, const Case& c, int index) {
       break;
     }
   }
+  const std::vector<float> gated = check_glu(where, c, table, qw, acts, y);
+
   uint64_t h = 0xcbf29ce484222325ull;
   h = fnv1a(h, a.xq.data(), a.xq.size());
   h = fnv1a(h, a.xlo.data(), a.xlo.size());
@@ -248,6 +282,7 @@ void run_case(const std::string& isa, const Case& c, int index) {
   h = fnv1a(h, a.xisum.data(), a.xisum.size() * sizeof(int32_t));
   const uint64_t hq = h;
   h = fnv1a(h, y.data(), y.size() * sizeof(float));
+  h = fnv1a(h, gated.data(), gated.size() * sizeof(float));
   std::printf("case %s %s %016llx %016llx\n", isa.c_str(), c.name().c_str(), static_cast<unsigned long long>(hq),
               static_cast<unsigned long long>(h));
 }
