@@ -4,10 +4,12 @@
 // Included by qmm_kernel.h inside namespace metrale::METRALE_ISA_NS::qmm (it uses R, panel_bytes,
 // prefetch, kPrefetchBytes/Groups from there; <arm_neon.h> is included at its top), only in the kernel
 // sets neon and neon_dotprod (CMakeLists.txt: METRALE_ISA_NEON, and METRALE_ISA_DOTPROD for the latter):
-//   neon_dotprod  -march=armv8.2-a+dotprod: SDOT (vdotq_s32), 4 int8 products of each 32-bit lane
-//                 summed into that lane, the vpdpbusd of AVX-512 on 128 bits (s8 x s8)
-//   neon          armv8-a baseline: vmull_s8 (s8 x s8 -> s16), a pairwise add (s16) and vpadalq_s16
-//                 (pairs -> s32): the same 4-product lane sums; every pair sum fits int16 (below)
+//   neon_dotprod  -march=armv8.2-a+dotprod: SDOT by element (vdotq_laneq_s32), the 4 int8 weights of
+//                 each 32-bit lane times one 4-byte word of the activations (an immediate lane of the
+//                 register holding them), summed into that lane: vpdpbusd on 128 bits (s8 x s8)
+//   neon          armv8-a baseline: the word broadcast (vdupq_laneq_s32), vmull_s8 (s8 x s8 -> s16), a
+//                 pairwise add (s16) and vpadalq_s16 (pairs -> s32): the same 4-product lane sums;
+//                 every pair sum fits int16 (below)
 // One 16-byte vector is 4 rows x 4 k of a 64-byte chunk (vector i: rows 4i .. 4i + 3, one row per
 // lane), so the 16 row sums of a chunk are 4 int32x4 accumulators, as on x86 one zmm or two ymm.
 //
