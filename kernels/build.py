@@ -7,7 +7,8 @@ in a fresh interpreter that kernels.ext.load() accepts it. Exit status 0 on succ
 otherwise; the engine works without the kernels (float32 BLAS matmuls, reference attention and
 activations), so setup may ignore a failure.
 The binary is portable: the kernels are compiled once per instruction set (x86-64: scalar, AVX2,
-AVX-512 VNNI) and chosen at run time (kernels/csrc/isa.cpp), never with -march=native.
+AVX-512 VNNI; arm64: scalar, NEON, NEON + the int8 dot product) and chosen at run time
+(kernels/csrc/isa.cpp), never with -march=native (CMakeLists.txt holds each set's flags).
 """
 
 from __future__ import annotations

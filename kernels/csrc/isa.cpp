@@ -1,6 +1,7 @@
 // Runtime choice of the kernel set (isa.h). The x86 sets need, besides the CPU flags, the OS to save
 // the wider registers; __builtin_cpu_supports checks both (XGETBV) for AVX and AVX-512, runs_amx for AMX
-// (which Linux also makes a process ask for).
+// (which Linux also makes a process ask for). arm64: neon always, neon_dotprod where the OS reports the
+// dot product (runs_dotprod).
 #include "isa.h"
 
 #include <atomic>
@@ -10,6 +11,14 @@
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)  // the Linux arm64 hwcap bit of the dot product instructions
+#endif
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 
 namespace metrale {
@@ -45,6 +54,23 @@ bool runs_amx() {
 }
 #endif
 
+#if defined(__aarch64__)
+// The int8 dot product (SDOT/UDOT, FEAT_DotProd, optional from Armv8.2): Linux reports it in AT_HWCAP,
+// macOS in the sysctl hw.optional.arm.FEAT_DotProd (macOS 12 and later; every Apple M chip has it).
+// Elsewhere the set is not offered.
+bool runs_dotprod() {
+#if defined(__linux__)
+  return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+  int has = 0;
+  size_t size = sizeof(has);
+  return sysctlbyname("hw.optional.arm.FEAT_DotProd", &has, &size, nullptr, 0) == 0 && has != 0;
+#else
+  return false;
+#endif
+}
+#endif
+
 struct Entry {
   const char* name;
   const KernelTable* (*table)();
@@ -64,6 +90,10 @@ const std::vector<Entry>& entries() {
 #if defined(__linux__) && defined(METRALE_HAVE_AMX)
       {"avx512_amx", kernel_table_avx512_amx, runs_amx},
 #endif
+#endif
+#if defined(__aarch64__)
+      {"neon", kernel_table_neon, [] { return true; }},  // NEON is part of every arm64 CPU
+      {"neon_dotprod", kernel_table_neon_dotprod, runs_dotprod},
 #endif
   };
   return all;

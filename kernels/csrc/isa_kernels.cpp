@@ -1,5 +1,6 @@
 // The compute kernels of one instruction set, compiled once per set with that set's flags
-// (CMakeLists.txt: METRALE_ISA_NS = scalar | avx2 | avx512) and picked at run time (isa.cpp).
+// (CMakeLists.txt: METRALE_ISA_NS = scalar | avx2 | avx512 on x86-64, scalar | neon | neon_dotprod on
+// arm64) and picked at run time (isa.cpp).
 // Everything defined here lives in namespace metrale::METRALE_ISA_NS, and nothing here includes MLX:
 // an inline function compiled with AVX-512 flags must not be merged by the linker with the copy
 // that a CPU without AVX-512 runs.
@@ -13,7 +14,7 @@
 #include "vecmath.h"
 
 #ifndef METRALE_ISA_NS
-#error "compile with -DMETRALE_ISA_NS=scalar|avx2|avx512"
+#error "compile with -DMETRALE_ISA_NS=scalar|avx2|avx512|neon|neon_dotprod"
 #endif
 
 #define METRALE_CAT2(a, b) a##b

@@ -121,5 +121,9 @@ const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
 const KernelTable* kernel_table_avx512_amx();  // avx512 with AMX int8 tiles for qmm_panels (qmm_amx.cpp)
 #endif
+#if defined(__aarch64__)
+const KernelTable* kernel_table_neon();          // armv8-a: the quantized matmul on vmull_s8 (qmm_neon.h)
+const KernelTable* kernel_table_neon_dotprod();  // armv8.2-a+dotprod: on SDOT
+#endif
 
 }  // namespace metrale

@@ -13,6 +13,8 @@
 //   AVX-512 VNNI  vpdpbusd (u8 q x s8 xq -> s32), 16 rows per zmm, TT <= 8
 //   AVX2          vpmaddubsw + vpmaddwd, 8 rows per ymm (two per panel), TT <= 4; 8-bit q as
 //                 (q - 128) with the sign trick (u8 x s8 products must fit int16), corrected by 128 sum(xq)
+//   NEON (arm64)  SDOT (vdotq_s32, +dotprod) or vmull_s8 + vpadalq_s16, 4 rows per register, TT <= 4;
+//                 8-bit q as (q - 128) like AVX2 (qmm_neon.h)
 //   scalar        plain loops over the same layout (the fallback, and the reference for the others)
 // Compiled per instruction set inside namespace METRALE_ISA_NS (isa_kernels.cpp).
 #pragma once
@@ -32,6 +34,9 @@
 #define METRALE_QMM_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define METRALE_QMM_AVX2 1
+#elif defined(__aarch64__) && defined(METRALE_ISA_NEON)  // kernel sets neon, neon_dotprod (qmm_neon.h)
+#include <arm_neon.h>
+#define METRALE_QMM_NEON 1
 #endif
 
 namespace metrale::METRALE_ISA_NS::qmm {
@@ -79,6 +84,11 @@ inline kernel::v8i round8(v8f v) {
   __m128 f[2];
   std::memcpy(f, &v, sizeof(f));
   const __m128i i[2] = {_mm_cvtps_epi32(f[0]), _mm_cvtps_epi32(f[1])};
+  std::memcpy(&out, i, sizeof(out));
+#elif defined(METRALE_QMM_NEON)
+  float32x4_t f[2];
+  std::memcpy(f, &v, sizeof(f));
+  const int32x4_t i[2] = {vcvtnq_s32_f32(f[0]), vcvtnq_s32_f32(f[1])};  // ties to even, as cvtps2dq
   std::memcpy(&out, i, sizeof(out));
 #else
   for (int j = 0; j < kW; ++j) out[j] = static_cast<int32_t>(__builtin_rintf(v[j]));
@@ -301,6 +311,10 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
     _mm256_storeu_ps(acc_out[t] + 8, acc[t][1]);
   }
 }
+
+#elif defined(METRALE_QMM_NEON)
+
+#include "qmm_neon.h"
 
 #else  // scalar
 
