@@ -46,6 +46,23 @@ def test_prompt_chunks_match_emulation_and_avx512(k, tokens, bits, gs, activatio
 
 
 @needs_amx
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits,gs", [(4, 64), (4, 128), (8, 32), (8, 128)])
+def test_chunk_remainders_and_passes_equal_avx512(bits, gs, activation_bits):
+    """K = 640 is one weight chunk of 16 blocks plus 4; 345 tokens are token blocks of 304 (144 with int16,
+    qmm.cpp) cut into passes of at most 8 tiles of 16, and 9 tokens left to the avx512 tile; float32
+    scales; N = 56 is three panel pairs and one panel alone."""
+    rng = np.random.default_rng(bits + gs + activation_bits)
+    n, k, tokens = 56, 640, 345
+    triple, _, _ = random_weight(rng, n, k, bits, gs)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    packed = qmm.pack(*triple, bits, gs, mx.float32)
+    outs = [np.array(on(isa, lambda: run(x, packed, bits, gs, [n], activation_bits=activation_bits)[0]))
+            for isa in ("avx512", "avx512_amx")]
+    assert np.array_equal(*outs)
+
+
+@needs_amx
 @pytest.mark.parametrize("glu", [0, 1])
 def test_glu_pairs_and_fused_outputs_equal_avx512(glu):
     """gate/up panel pairs with the activation epilogue, and three outputs in one call (q/k/v style)."""
