@@ -40,9 +40,9 @@ namespace {
 using qmm::R;
 constexpr int kTileTokens = 16;
 constexpr int kBlockBytes = kActBlock * R;  // one block of 32 k of a panel, int8: 512 bytes
-constexpr int kChunkBlocks = 16;  // blocks of 32 k per weight chunk (4-bit: unpacked to 2 x 8 KiB on the stack)
-constexpr int kBatch = 2;         // blocks whose products run before their float epilogue (double-buffered)
-constexpr int kPassTiles = 8;     // token tiles whose float accumulators a pass keeps (2 x 16 KiB on the stack)
+constexpr int kChunkBlocks = 8;  // blocks of 32 k per weight chunk (4-bit: unpacked to 4 x 4 KiB on the stack)
+constexpr int kBatch = 1;         // blocks whose products run before their fold (double-buffered; 2: 0.85x, 4: 0.65x)
+constexpr int kPassTiles = 8;     // token tiles whose float accumulators a pass keeps (32 KiB on the stack)
 
 // Tiles: 0-3 int32 results, 4-5 activations, 6-7 weights
 struct alignas(64) TileConfig {
@@ -79,54 +79,77 @@ inline void unpack_chunk(const uint8_t* src, int nb, int8_t* __restrict out) {
   }
 }
 
-using Sums = int32_t[2][kTileTokens][R];  // one block's int32 tile per panel of the pair
+constexpr int kGroup = 4;  // panels whose products share each activation tile (two gate/up pairs with glu)
+using Sums = int32_t[kGroup][kTileTokens][R];  // one block's int32 tile per panel of the group
 
-// One block's products for np (1, 2) panels: B tiles from b0 / b1, A from xh (and xl) at stride K.
+// C tile C = A tile TA x B tile TB (GCC's tile intrinsics paste the tile number into the instruction:
+// literals only, hence a macro).
+#define METRALE_AMX_DOT(C, TA, TB) \
+  do {                             \
+    _tile_zero(C);                 \
+    _tile_dpbsud(C, TA, TB);       \
+  } while (0)
+
+// One block's products for np (1-4) panels: B tiles from b[j] + at, A (tile 4, and 5 for the lo plane)
+// loaded once from xh / xl at `astride`. Weights go two at a time through tiles 6 and 7. int8: results in
+// tiles 0-3, one per panel; int16: 0-1 hi and 2-3 lo of the two panels, stored before the next two.
 template <bool WIDE>
-inline void block_products(const int8_t* xh, const int8_t* xl, int64_t astride, const int8_t* b0, const int8_t* b1,
+inline void block_products(const int8_t* xh, const int8_t* xl, int64_t astride, const int8_t* const* b, int64_t at,
                            int np, Sums& hi, Sums& lo) {
-  _tile_loadd(6, b0, 64);
   _tile_loadd(4, xh, astride);
-  _tile_zero(0);
-  _tile_dpbsud(0, 4, 6);
-  if (np == 2) {
-    _tile_loadd(7, b1, 64);
-    _tile_zero(1);
-    _tile_dpbsud(1, 4, 7);
-  }
-  if constexpr (WIDE) {
-    _tile_loadd(5, xl, astride);
-    _tile_zero(2);
-    _tile_dpbsud(2, 5, 6);
-    if (np == 2) {
-      _tile_zero(3);
-      _tile_dpbsud(3, 5, 7);
+  if constexpr (WIDE) _tile_loadd(5, xl, astride);
+  for (int j = 0; j < np; j += 2) {
+    const bool two = j + 1 < np;
+    _tile_loadd(6, b[j] + at, 64);
+    if (two) _tile_loadd(7, b[j + 1] + at, 64);
+    if constexpr (WIDE) {
+      METRALE_AMX_DOT(0, 4, 6);
+      METRALE_AMX_DOT(2, 5, 6);
+      if (two) {
+        METRALE_AMX_DOT(1, 4, 7);
+        METRALE_AMX_DOT(3, 5, 7);
+      }
+      _tile_stored(0, &hi[j][0][0], 64);
+      _tile_stored(2, &lo[j][0][0], 64);
+      if (two) {
+        _tile_stored(1, &hi[j + 1][0][0], 64);
+        _tile_stored(3, &lo[j + 1][0][0], 64);
+      }
+    } else if (j == 0) {
+      METRALE_AMX_DOT(0, 4, 6);
+      if (two) METRALE_AMX_DOT(1, 4, 7);
+    } else {
+      METRALE_AMX_DOT(2, 4, 6);
+      if (two) METRALE_AMX_DOT(3, 4, 7);
     }
   }
-  _tile_stored(0, &hi[0][0][0], 64);
-  if (np == 2) _tile_stored(1, &hi[1][0][0], 64);
-  if constexpr (WIDE) {
-    _tile_stored(2, &lo[0][0][0], 64);
-    if (np == 2) _tile_stored(3, &lo[1][0][0], 64);
+  if constexpr (!WIDE) {
+    _tile_stored(0, &hi[0][0][0], 64);
+    if (np > 1) _tile_stored(1, &hi[1][0][0], 64);
+    if (np > 2) _tile_stored(2, &hi[2][0][0], 64);
+    if (np > 3) _tile_stored(3, &hi[3][0][0], 64);
   }
 }
 
+// The float of one block's int32 sums of 16 rows: hi, or 255 hi + lo with int16 activations. 4 bits:
+// |255 hi + lo| <= 32 x 15 x 32512 < 2^24, so the fma of the exact floats rounds nothing and equals
+// float(qmm::combine(hi, lo)); measured 1.25x faster than the integer combine (shift, sub, add), or with
+// vpshufb for the shift, on this core. 8 bits (sums up to 2^28) combine as integers.
 template <int BITS, bool WIDE>
 inline __m512 block_sum(const int32_t* hi, const int32_t* lo) {
   const __m512i h = _mm512_load_si512(hi);
   if constexpr (!WIDE) {
     return _mm512_cvtepi32_ps(h);
   } else if constexpr (BITS == 4) {
-    // 255 H + L exactly: |255 H + L| <= 32 * 15 * 32512 < 2^24, so one fma of the exact floats is exact
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(255.0f), _mm512_cvtepi32_ps(_mm512_load_si512(lo)));
   } else {
     return _mm512_cvtepi32_ps(qmm::combine(h, _mm512_load_si512(lo)));
   }
 }
 
-// The panels of a pass: two (a gate/up pair, or p and p + 1 of one output) or the last one alone.
-struct Pair {
-  int64_t panel[2];
+// The panels of a pass: up to kGroup consecutive ones of one output (gate/up pairs with glu).
+struct Group {
+  int64_t panel[kGroup];
   int np;
 };
 
@@ -154,22 +177,22 @@ inline void fold(const QmmWeights& w, const QmmActs& a, int64_t panel, int64_t t
   for (int r = 0; r < kTileTokens; ++r) _mm512_store_ps(acc[r], v[r]);
 }
 
-// acc[tile][j] = y (16 tokens from t0 + 16 tile, 16 rows of pr.panel[j]) for `tiles` token tiles. Weight
-// chunks outermost: each chunk of the pair's B is unpacked once and reused by every token tile; the float
+// acc[tile][j] = y (16 tokens from t0 + 16 tile, 16 rows of gr.panel[j]) for `tiles` token tiles. Weight
+// chunks outermost: each chunk of the group's B is unpacked once and reused by every token tile; the float
 // accumulators wait in acc between chunks. Per tile the products of the next kBatch blocks are issued
 // before the fold of the current ones (hi / lo double-buffered).
 template <int BITS, bool F16S, bool WIDE>
-void pass(const QmmWeights& w, const QmmActs& a, const Pair& pr, int64_t t0, int tiles,
-          float (*acc)[2][kTileTokens][R]) {
+void pass(const QmmWeights& w, const QmmActs& a, const Group& gr, int64_t t0, int tiles,
+          float (*acc)[kGroup][kTileTokens][R]) {
   const int K = w.K, blocks = K / kActBlock;
-  alignas(64) int8_t unpacked[BITS == 4 ? 2 : 1][BITS == 4 ? kChunkBlocks * kBlockBytes : 64];
+  alignas(64) int8_t unpacked[BITS == 4 ? kGroup : 1][BITS == 4 ? kChunkBlocks * kBlockBytes : 64];
   alignas(64) Sums hi[2][kBatch], lo[WIDE ? 2 : 1][WIDE ? kBatch : 1];
-  std::memset(acc, 0, sizeof(float) * tiles * 2 * kTileTokens * R);
+  std::memset(acc, 0, sizeof(float) * tiles * kGroup * kTileTokens * R);
   for (int c0 = 0; c0 < blocks; c0 += kChunkBlocks) {
     const int nb = kernel::min_of(kChunkBlocks, blocks - c0);
-    const int8_t* b[2] = {nullptr, nullptr};  // the chunk's int8 B of each panel
-    for (int j = 0; j < pr.np; ++j) {
-      const uint8_t* src = w.q + pr.panel[j] * qmm::panel_bytes(w);
+    const int8_t* b[kGroup] = {};  // the chunk's int8 B of each panel
+    for (int j = 0; j < gr.np; ++j) {
+      const uint8_t* src = w.q + gr.panel[j] * qmm::panel_bytes(w);
       if constexpr (BITS == 4) {
         unpack_chunk(src + static_cast<int64_t>(c0) * kBlockBytes / 2, nb, unpacked[j]);
         b[j] = unpacked[j];
@@ -182,54 +205,46 @@ void pass(const QmmWeights& w, const QmmActs& a, const Pair& pr, int64_t t0, int
       const int8_t* xh = a.xq + t * K + c0 * kActBlock;
       const int8_t* xl = WIDE ? a.xlo + t * K + c0 * kActBlock : nullptr;
       auto issue = [&](int i, int buf) {  // products of chunk block i into hi/lo[buf][i % kBatch]
-        const int64_t at = static_cast<int64_t>(i) * kBlockBytes;
-        block_products<WIDE>(xh + i * kActBlock, WIDE ? xl + i * kActBlock : nullptr, K, b[0] + at,
-                             pr.np == 2 ? b[1] + at : nullptr, pr.np, hi[buf][i % kBatch],
+        block_products<WIDE>(xh + i * kActBlock, WIDE ? xl + i * kActBlock : nullptr, K, b,
+                             static_cast<int64_t>(i) * kBlockBytes, gr.np, hi[buf][i % kBatch],
                              lo[WIDE ? buf : 0][WIDE ? i % kBatch : 0]);
       };
       for (int i = 0; i < kernel::min_of(kBatch, nb); ++i) issue(i, 0);
       for (int i0 = 0, buf = 0; i0 < nb; i0 += kBatch, buf ^= 1) {
         for (int i = i0 + kBatch; i < kernel::min_of(i0 + 2 * kBatch, nb); ++i) issue(i, buf ^ 1);
-        for (int j = 0; j < pr.np; ++j)
-          fold<BITS, F16S, WIDE>(w, a, pr.panel[j], t, c0 + i0, kernel::min_of(kBatch, nb - i0), j, hi[buf],
+        for (int j = 0; j < gr.np; ++j)
+          fold<BITS, F16S, WIDE>(w, a, gr.panel[j], t, c0 + i0, kernel::min_of(kBatch, nb - i0), j, hi[buf],
                                  lo[WIDE ? buf : 0], acc[tile][j]);
       }
     }
   }
 }
 
-// Panels [p_begin, p_end) (pairs with glu) x whole token tiles [t_begin, t_end), by pairs and passes.
+// Panels [p_begin, p_end) (pairs with glu) x whole token tiles [t_begin, t_end), by groups and passes.
 template <int BITS, bool F16S, bool WIDE>
 void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
                 int64_t t_begin, int64_t t_end) {
-  alignas(64) float acc[kPassTiles][2][kTileTokens][R];
+  alignas(64) float acc[kPassTiles][kGroup][kTileTokens][R];
+  const int step = o.glu >= 0 ? 2 : 1;  // weight panels per output panel
   for (int64_t p = p_begin; p < p_end;) {
-    Pair pr;
-    int64_t outp[2];  // the output panel of each pair member
-    if (o.glu >= 0) {
-      pr = {{2 * p, 2 * p + 1}, 2};
-      outp[0] = p;
-    } else {
-      pr.np = p + 1 < p_end ? 2 : 1;
-      pr.panel[0] = p, pr.panel[1] = p + 1;
-      outp[0] = p, outp[1] = p + 1;
-    }
-    const int nout = o.glu >= 0 ? 1 : pr.np;
+    const int nout = static_cast<int>(kernel::min_of<int64_t>(kGroup / step, p_end - p));
+    Group gr{{}, nout * step};
+    for (int j = 0; j < gr.np; ++j) gr.panel[j] = step * p + j;
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kPassTiles * kTileTokens) {
       const int tiles = static_cast<int>(kernel::min_of<int64_t>(kPassTiles, (t_end - t0) / kTileTokens));
-      pass<BITS, F16S, WIDE>(w, a, pr, t0, tiles, acc);
+      pass<BITS, F16S, WIDE>(w, a, gr, t0, tiles, acc);
       for (int tile = 0; tile < tiles; ++tile) {
-        for (int t = 0; t < kTileTokens && o.glu >= 0; ++t)
-          qmm::glu_row(o.glu, acc[tile][0][t], acc[tile][1][t], acc[tile][0][t]);
         for (int j = 0; j < nout; ++j) {
-          const int64_t col0 = (outp[j] - o.first_panel) * R;
+          float (*y)[R] = acc[tile][step * j];  // with glu: act(gate) * up into the gate's accumulators
+          for (int t = 0; t < kTileTokens && o.glu >= 0; ++t) qmm::glu_row(o.glu, y[t], acc[tile][2 * j + 1][t], y[t]);
+          const int64_t col0 = (p + j - o.first_panel) * R;
           const size_t cols = static_cast<size_t>(kernel::min_of<int64_t>(R, o.columns - col0));
           for (int t = 0; t < kTileTokens; ++t)
-            std::memcpy(o.out + (t0 + tile * kTileTokens + t) * o.ld + col0, acc[tile][j][t], sizeof(float) * cols);
+            std::memcpy(o.out + (t0 + tile * kTileTokens + t) * o.ld + col0, y[t], sizeof(float) * cols);
         }
       }
     }
-    p += o.glu >= 0 ? 1 : pr.np;
+    p += nout;
   }
 }
 
