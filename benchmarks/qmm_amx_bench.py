@@ -8,7 +8,8 @@ The Llama-3.2-1B shapes of benchmarks/qmm_roofline.py (random 4-bit group-32 wei
 kernel set/activation bits) runs once per repeat in turn, so that the machine's load hits them alike; the
 table gives GFLOP/s (2 N K T per second) of the median process CPU time (one call; with
 METRALE_ATTENTION_THREADS=1 that is one core's work; --wall: of the wall-clock time, for several
-threads). The weights stay in the caches between calls at these T, so this is the compute rate, not the decode's read rate. Also the AMX peak of one core
+threads). The weights stay in the caches between calls at these T, so this is the compute rate, not the
+decode's read rate. Also the AMX peak of one core and its overlap with AVX-512 fmas
 (benchmarks/amx_probe.c, compiled here) where the CPU has AMX.
 """
 
@@ -34,13 +35,14 @@ PROBE = Path(__file__).with_name("amx_probe.c")
 
 
 def amx_peak() -> dict:
-    """amx_probe's JSON, or {} without AMX or a compiler that knows -mamx-int8."""
+    """amx_probe's JSON, or {} without AMX or a compiler that knows -mamx-int8 and -mavx512f."""
     cc = shutil.which("cc")
     if cc is None or "avx512_amx" not in ext.supported_isas():
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "amx_probe"
-        built = subprocess.run([cc, "-O2", "-mamx-tile", "-mamx-int8", str(PROBE), "-o", str(exe)], check=False)
+        flags = ["-O2", "-mavx512f", "-mamx-tile", "-mamx-int8"]
+        built = subprocess.run([cc, *flags, str(PROBE), "-o", str(exe)], check=False)
         if built.returncode != 0:
             return {}
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=False)
@@ -87,7 +89,7 @@ def main() -> None:
                   flush=True)
     peak = amx_peak()
     if peak:
-        print(f"AMX peak of one core (GOP/s): {peak}")
+        print(f"AMX probe of one core (GOP/s; *_ns: ns per product): {peak}")
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "amx_peak": peak}))
 
