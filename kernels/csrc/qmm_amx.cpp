@@ -5,20 +5,18 @@
 // One TDPBSUD multiplies a tile A (16 tokens x 32 int8 activations, read in place from xq (T, K),
 // row stride K) by a tile B (8 rows x 64 bytes: 32 k of 16 weight rows, 4 consecutive k per row in a
 // 32-bit lane) into C (16 tokens x 16 rows, int32). B is exactly the packed panel layout
-// (kernel_table.h): 8-bit panels are loaded in place, 4-bit panels are unpacked per chunk of 16 blocks
+// (kernel_table.h): 8-bit panels are loaded in place, 4-bit panels are unpacked per chunk of 8 blocks
 // (low nibbles -> chunk 2c, high -> 2c + 1) into a stack buffer that every token tile of the pass reuses.
-// Panels go in pairs (gate/up with glu, else p and p + 1) so that each A tile feeds two products; int16
-// activations add the lo plane: 4 products per block from 4 tile loads. Per block of 32 k the int32
-// tiles are stored and folded into float accumulators exactly as the avx512 tile does it (same block
-// sums, same fma order): the results are bit-identical to the avx512 set's. Tokens past the last full
-// tile of 16 run the avx512 tile.
+// Panels go in groups of up to 4 (two gate/up pairs with glu) so that each A tile load feeds 4 products;
+// int16 activations add the lo plane. Per block of 32 k the int32 tiles are stored and folded into float
+// accumulators exactly as the avx512 tile does it (same block sums, same fma order): the results are
+// bit-identical to the avx512 set's. Tokens past the last full tile of 16 run the avx512 tile.
 //
-// Measured on the dev VM's core: AMX and AVX-512 work do not overlap (a tile product loop plus an fma
-// loop takes the sum of their times or more), so the time is the tile work plus the float epilogue,
-// and both are cut here: A shared by a pair, 4-bit B unpacked once per pass and chunk, and the int16
-// sum 255 hi + lo converted as one exact fma (docs/quantized-kernels.md, the AMX section).
+// Measured on the dev VM's core: the tile work and the AVX-512 fold do not overlap (the kernel takes the
+// sum of the two times), so both are cut here: A shared by a group, 4-bit B unpacked once per pass and
+// chunk, the int16 sum 255 hi + lo converted as one exact fma (docs/quantized-kernels.md, the AMX section).
 //
-// No allocation: every buffer is on the stack (~50 KiB), so nothing can throw inside a pool task.
+// No allocation: every buffer is on the stack (~70 KiB), so nothing can throw inside a pool task.
 // Tile state is per thread: every qmm_panels call loads the configuration and releases the tiles
 // before it returns. The process must have been granted the AMX state (isa.cpp asks the kernel once).
 #include <immintrin.h>
