@@ -1,13 +1,15 @@
 """The quantized matmul at prompt-chunk sizes per kernel set and activation precision, A/B in one run.
 
     PYTHONPATH=$PWD METRALE_ATTENTION_THREADS=1 .venv/bin/python benchmarks/qmm_amx_bench.py --tokens 16 64 128 512
+    PYTHONPATH=$PWD METRALE_ATTENTION_THREADS=2 .venv/bin/python benchmarks/qmm_amx_bench.py --wall
 
 The Llama-3.2-1B shapes of benchmarks/qmm_roofline.py (random 4-bit group-32 weights, float16 scales:
 2048x2048 q/o, 8192x2048 gate or up, 2048x8192 down). For each shape and T, every variant (--variants,
 kernel set/activation bits) runs once per repeat in turn, so that the machine's load hits them alike; the
 table gives GFLOP/s (2 N K T per second) of the median process CPU time (one call; with
-METRALE_ATTENTION_THREADS=1 that is one core's work). The weights stay in the caches between calls at
-these T, so this is the compute rate, not the decode's read rate. Also the AMX peak of one core
+METRALE_ATTENTION_THREADS=1 that is one core's work; --wall: of the wall-clock time, for several
+threads). The weights stay in the caches between calls at these T, so this is the compute rate, not the
+decode's read rate. Also the AMX peak of one core and its overlap with AVX-512 fmas
 (benchmarks/amx_probe.c, compiled here) where the CPU has AMX.
 """
 
@@ -33,13 +35,14 @@ PROBE = Path(__file__).with_name("amx_probe.c")
 
 
 def amx_peak() -> dict:
-    """amx_probe's JSON, or {} without AMX or a compiler that knows -mamx-int8."""
+    """amx_probe's JSON, or {} without AMX or a compiler that knows -mamx-int8 and -mavx512f."""
     cc = shutil.which("cc")
     if cc is None or "avx512_amx" not in ext.supported_isas():
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "amx_probe"
-        built = subprocess.run([cc, "-O2", "-mamx-tile", "-mamx-int8", str(PROBE), "-o", str(exe)], check=False)
+        flags = ["-O2", "-mavx512f", "-mamx-tile", "-mamx-int8"]
+        built = subprocess.run([cc, *flags, str(PROBE), "-o", str(exe)], check=False)
         if built.returncode != 0:
             return {}
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=False)
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 512])
     p.add_argument("--variants", nargs="+", default=["avx512/16", "avx512/8", "avx512_amx/16", "avx512_amx/8"])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--wall", action="store_true", help="time wall-clock seconds (several kernel threads)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 1 <= args.repeat <= 100 or not all(1 <= t <= 8192 for t in args.tokens):
@@ -61,6 +65,7 @@ def main() -> None:
     missing = {isa for _, isa, _ in variants} - set(ext.supported_isas())
     if missing:
         sys.exit(f"this CPU or build lacks {sorted(missing)} (has {ext.supported_isas()})")
+    clock = time.perf_counter if args.wall else time.process_time
     rows = []
     print("| shape | T | " + " | ".join(v for v, _, _ in variants) + " |")
     print("|---|---:|" + "---:|" * len(variants))
@@ -73,10 +78,10 @@ def main() -> None:
             for rep in range(args.repeat + 1):  # the first round warms up
                 for label, isa, bits in variants:
                     ext.set_cpu_isa(isa)
-                    start = time.process_time()
+                    start = clock()
                     mx.eval(ext.quantized_matmul(x, q, s, b, bits=4, group_size=32, columns=[n], activation_bits=bits))
                     if rep:
-                        times[label].append(time.process_time() - start)
+                        times[label].append(clock() - start)
             ext.set_cpu_isa("auto")
             gflops = {v: 2 * n * k * tokens / statistics.median(t) / 1e9 for v, t in times.items()}
             rows.append({"shape": name, "tokens": tokens, "gflops": gflops})
@@ -84,7 +89,7 @@ def main() -> None:
                   flush=True)
     peak = amx_peak()
     if peak:
-        print(f"AMX peak of one core (GOP/s): {peak}")
+        print(f"AMX probe of one core (GOP/s; *_ns: ns per product): {peak}")
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "amx_peak": peak}))
 

@@ -5,21 +5,24 @@
 // One TDPBSUD multiplies a tile A (16 tokens x 32 int8 activations, read in place from xq (T, K),
 // row stride K) by a tile B (8 rows x 64 bytes: 32 k of 16 weight rows, 4 consecutive k per row in a
 // 32-bit lane) into C (16 tokens x 16 rows, int32). B is exactly the packed panel layout
-// (kernel_table.h): 8-bit panels are loaded as they are, 4-bit panels are unpacked once per task into
-// a thread-local int8 panel (low nibbles -> chunk 2c, high -> 2c + 1) and reused by every token tile.
-// Per block of 32 k the int32 tile is stored and folded into 16 float accumulators exactly as the
-// avx512 tile does it (same block sums, same fma order): the results are bit-identical to the avx512
-// set's. int16 activations run two products per block (hi and lo halves, combined as 255 hi + lo).
-// Tokens past the last full tile of 16 run the avx512 tile.
+// (kernel_table.h): 8-bit panels are loaded in place, 4-bit panels are unpacked per chunk of 8 blocks
+// (low nibbles -> chunk 2c, high -> 2c + 1) into a stack buffer that every token tile of the pass reuses.
+// Panels go in groups of up to 4 (two gate/up pairs with glu) so that each A tile load feeds 4 products;
+// int16 activations add the lo plane. Per block of 32 k the int32 tiles are stored and folded into float
+// accumulators exactly as the avx512 tile does it (same block sums, same fma order): the results are
+// bit-identical to the avx512 set's. Tokens past the last full tile of 16 run the avx512 tile.
 //
+// Measured on the dev VM's core: the tile work and the AVX-512 fold do not overlap (the kernel takes the
+// sum of the two times), so both are cut here: A shared by a group, 4-bit B unpacked once per pass and
+// chunk, the int16 sum 255 hi + lo converted as one exact fma (docs/quantized-kernels.md, the AMX section).
+//
+// No allocation: every buffer is on the stack (~70 KiB), so nothing can throw inside a pool task.
 // Tile state is per thread: every qmm_panels call loads the configuration and releases the tiles
 // before it returns. The process must have been granted the AMX state (isa.cpp asks the kernel once).
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
-#include <new>
 
 #include "kernel_table.h"
 #include "qmm_kernel.h"
@@ -35,8 +38,11 @@ namespace {
 using qmm::R;
 constexpr int kTileTokens = 16;
 constexpr int kBlockBytes = kActBlock * R;  // one block of 32 k of a panel, int8: 512 bytes
+constexpr int kChunkBlocks = 8;  // blocks of 32 k per weight chunk (4-bit: unpacked to 4 x 4 KiB on the stack)
+constexpr int kBatch = 1;         // blocks whose products run before their fold (double-buffered; 2: 0.85x, 4: 0.65x)
+constexpr int kPassTiles = 8;     // token tiles whose float accumulators a pass keeps (32 KiB on the stack)
 
-// Tiles: 0-3 int32 results, 4-5 activations, 6-7 weights (products() rotates them).
+// Tiles: 0-3 int32 results, 4-5 activations, 6-7 weights
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -45,56 +51,12 @@ struct alignas(64) TileConfig {
 
 TileConfig make_config() {
   TileConfig c;
-  for (int i = 0; i < 4; ++i) c.colsb[i] = 64, c.rows[i] = 16;       // C: 16 tokens x 16 int32
-  for (int i = 4; i < 6; ++i) c.colsb[i] = kActBlock, c.rows[i] = 16;  // A: 16 tokens x 32 int8
-  for (int i = 6; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = kActBlock / 4;  // B: 8 x (16 rows x 4 k)
+  for (int i = 0; i < 4; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+  for (int i = 4; i < 6; ++i) c.colsb[i] = kActBlock, c.rows[i] = 16;
+  for (int i = 6; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = kActBlock / 4;
   return c;
 }
 
-// A thread's 64-byte-aligned scratch panel. Not a std::vector: its out-of-line members would be weak
-// symbols compiled with AVX-512 flags outside this namespace (test_isa_objects_share_no_symbols...).
-class PanelBuffer {
- public:
-  PanelBuffer() = default;
-  PanelBuffer(const PanelBuffer&) = delete;
-  PanelBuffer& operator=(const PanelBuffer&) = delete;
-  ~PanelBuffer() { std::free(data_); }
-
-  // at least `bytes` bytes (the contents are not kept when it grows)
-  int8_t* get(size_t bytes) {
-    if (bytes > size_) {
-      std::free(data_);
-      size_ = (bytes + 63) / 64 * 64;
-      data_ = static_cast<int8_t*>(std::aligned_alloc(64, size_));
-      if (data_ == nullptr) throw std::bad_alloc();
-    }
-    return data_;
-  }
-
- private:
-  int8_t* data_ = nullptr;
-  size_t size_ = 0;
-};
-
-// The int8 panel p (16 * K bytes, chunk c = k 4c .. 4c + 3 of 16 rows): the packed one, or 4 bits unpacked.
-const int8_t* int8_panel(const QmmWeights& w, int64_t p, PanelBuffer& scratch) {
-  const uint8_t* src = w.q + p * qmm::panel_bytes(w);
-  if (w.bits == 8) return reinterpret_cast<const int8_t*>(src);
-  int8_t* __restrict out = scratch.get(static_cast<size_t>(R) * w.K);
-  const int64_t chunks = w.K / 8;
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __m512i v = _mm512_loadu_si512(src + c * 64);
-    _mm512_storeu_si512(out + (2 * c) * 64, _mm512_and_si512(v, m4));
-    _mm512_storeu_si512(out + (2 * c + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-  }
-  return out;
-}
-
-constexpr int kBatch = 4;  // blocks whose products run before their float epilogue
-
-// The 16 scales (or biases) of panel p, group g (index p * groups + g) as floats, straight into a register
-// (qmm::load16 goes through memory: two 32-byte stores read back as one 64-byte load do not forward).
 template <bool F16S>
 inline __m512 scales16(const void* base, int64_t index) {
   if constexpr (F16S) {
@@ -105,105 +67,190 @@ inline __m512 scales16(const void* base, int64_t index) {
   }
 }
 
-// C tile C (0-3) = A tile TA x B tile TB, stored to dst (16 x 16 int32). GCC's tile intrinsics are
-// macros that paste the tile number into the instruction: literals only, hence a macro here too.
-#define METRALE_AMX_PRODUCT(C, TA, TB, a, b, dst) \
-  do {                                           \
-    _tile_loadd(TB, (b), 64);                    \
-    _tile_loadd(TA, (a), astride);               \
-    _tile_zero(C);                               \
-    _tile_dpbsud(C, TA, TB);                     \
-    _tile_stored(C, (dst), 64);                  \
+// blocks [c0, c0 + nb) of 4-bit panel `src` unpacked to int8 (low nibbles -> chunk 2c, high -> 2c + 1)
+inline void unpack_chunk(const uint8_t* src, int nb, int8_t* __restrict out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < nb * 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(src + c * 64);
+    _mm512_store_si512(out + (2 * c) * 64, _mm512_and_si512(v, m4));
+    _mm512_store_si512(out + (2 * c + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+  }
+}
+
+constexpr int kGroup = 4;  // panels whose products share each activation tile (two gate/up pairs with glu)
+using Sums = int32_t[kGroup][kTileTokens][R];  // one block's int32 tile per panel of the group
+
+// C tile C = A tile TA x B tile TB (GCC's tile intrinsics paste the tile number into the instruction:
+// literals only, hence a macro).
+#define METRALE_AMX_DOT(C, TA, TB) \
+  do {                             \
+    _tile_zero(C);                 \
+    _tile_dpbsud(C, TA, TB);       \
   } while (0)
 
-// The int32 sums of `n` (<= kBatch) consecutive blocks from `blk` into sums[i] (and lo[i] for WIDE):
-// A: 16 rows of x at a stride of K (astride), blocks 32 bytes apart; B: the panel's blocks, 512 bytes
-// apart. Tiles rotate so that consecutive products do not wait on each other.
+// One block's products for np (1-4) panels: B tiles from b[j] + at, A (tile 4, and 5 for the lo plane)
+// loaded once from xh / xl at `astride`. Weights go two at a time through tiles 6 and 7. int8: results in
+// tiles 0-3, one per panel; int16: 0-1 hi and 2-3 lo of the two panels, stored before the next two.
 template <bool WIDE>
-inline void products(const int8_t* xh, const int8_t* xl, int64_t astride, const int8_t* b, int blk, int n,
-                     int32_t (*hi)[kTileTokens][R], int32_t (*lo)[kTileTokens][R]) {
-  for (int i = 0; i < n; ++i) {
-    const int64_t at = static_cast<int64_t>(blk + i) * kBlockBytes, xat = static_cast<int64_t>(blk + i) * kActBlock;
+inline void block_products(const int8_t* xh, const int8_t* xl, int64_t astride, const int8_t* const* b, int64_t at,
+                           int np, Sums& hi, Sums& lo) {
+  _tile_loadd(4, xh, astride);
+  if constexpr (WIDE) _tile_loadd(5, xl, astride);
+  for (int j = 0; j < np; j += 2) {
+    const bool two = j + 1 < np;
+    _tile_loadd(6, b[j] + at, 64);
+    if (two) _tile_loadd(7, b[j + 1] + at, 64);
     if constexpr (WIDE) {
-      if (i % 2 == 0) {
-        METRALE_AMX_PRODUCT(0, 4, 6, xh + xat, b + at, &hi[i][0][0]);
-        METRALE_AMX_PRODUCT(1, 5, 6, xl + xat, b + at, &lo[i][0][0]);
-      } else {
-        METRALE_AMX_PRODUCT(2, 4, 7, xh + xat, b + at, &hi[i][0][0]);
-        METRALE_AMX_PRODUCT(3, 5, 7, xl + xat, b + at, &lo[i][0][0]);
+      METRALE_AMX_DOT(0, 4, 6);
+      METRALE_AMX_DOT(2, 5, 6);
+      if (two) {
+        METRALE_AMX_DOT(1, 4, 7);
+        METRALE_AMX_DOT(3, 5, 7);
       }
+      _tile_stored(0, &hi[j][0][0], 64);
+      _tile_stored(2, &lo[j][0][0], 64);
+      if (two) {
+        _tile_stored(1, &hi[j + 1][0][0], 64);
+        _tile_stored(3, &lo[j + 1][0][0], 64);
+      }
+    } else if (j == 0) {
+      METRALE_AMX_DOT(0, 4, 6);
+      if (two) METRALE_AMX_DOT(1, 4, 7);
     } else {
-      switch (i) {
-        case 0: METRALE_AMX_PRODUCT(0, 4, 6, xh + xat, b + at, &hi[i][0][0]); break;
-        case 1: METRALE_AMX_PRODUCT(1, 5, 7, xh + xat, b + at, &hi[i][0][0]); break;
-        case 2: METRALE_AMX_PRODUCT(2, 4, 6, xh + xat, b + at, &hi[i][0][0]); break;
-        default: METRALE_AMX_PRODUCT(3, 5, 7, xh + xat, b + at, &hi[i][0][0]); break;
+      METRALE_AMX_DOT(2, 4, 6);
+      if (two) METRALE_AMX_DOT(3, 4, 7);
+    }
+  }
+  if constexpr (!WIDE) {
+    _tile_stored(0, &hi[0][0][0], 64);
+    if (np > 1) _tile_stored(1, &hi[1][0][0], 64);
+    if (np > 2) _tile_stored(2, &hi[2][0][0], 64);
+    if (np > 3) _tile_stored(3, &hi[3][0][0], 64);
+  }
+}
+
+// The float of one block's int32 sums of 16 rows: hi, or 255 hi + lo with int16 activations. 4 bits:
+// |255 hi + lo| <= 32 x 15 x 32512 < 2^24, so the fma of the exact floats rounds nothing and equals
+// float(qmm::combine(hi, lo)); measured 1.25x faster than the integer combine (shift, sub, add), or with
+// vpshufb for the shift, on this core. 8 bits (sums up to 2^28) combine as integers.
+template <int BITS, bool WIDE>
+inline __m512 block_sum(const int32_t* hi, const int32_t* lo) {
+  const __m512i h = _mm512_load_si512(hi);
+  if constexpr (!WIDE) {
+    return _mm512_cvtepi32_ps(h);
+  } else if constexpr (BITS == 4) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(255.0f), _mm512_cvtepi32_ps(_mm512_load_si512(lo)));
+  } else {
+    return _mm512_cvtepi32_ps(qmm::combine(h, _mm512_load_si512(lo)));
+  }
+}
+
+// The panels of a pass: up to kGroup consecutive ones of one output (gate/up pairs with glu).
+struct Group {
+  int64_t panel[kGroup];
+  int np;
+};
+
+// acc (16 tokens x 16 rows) of panel `panel` += blocks [blk0, blk0 + n) of the int32 sums, as qmm::tile folds
+// them: per block acc = fma(float(sum), scale * d, acc), after a group's last block acc = fma(bias, xsum, acc).
+template <int BITS, bool F16S, bool WIDE>
+inline void fold(const QmmWeights& w, const QmmActs& a, int64_t panel, int64_t t, int blk0, int n, int j,
+                 const Sums* hi, const Sums* lo, float (*acc)[R]) {
+  const int groups = w.K / w.group_size, per_group = w.group_size / kActBlock, blocks = w.K / kActBlock;
+  const float* xd = a.xd + t * blocks;
+  const float* xs = a.xsum + t * groups;
+  __m512 v[kTileTokens];
+  for (int r = 0; r < kTileTokens; ++r) v[r] = _mm512_load_ps(acc[r]);
+  for (int i = 0; i < n; ++i) {
+    const int blk = blk0 + i, g = blk / per_group;
+    const __m512 s = scales16<F16S>(w.scales, panel * groups + g);
+    for (int r = 0; r < kTileTokens; ++r)
+      v[r] = _mm512_fmadd_ps(block_sum<BITS, WIDE>(hi[i][j][r], WIDE ? lo[i][j][r] : nullptr),
+                             _mm512_mul_ps(s, _mm512_set1_ps(xd[r * blocks + blk])), v[r]);
+    if ((blk + 1) % per_group == 0) {
+      const __m512 m = scales16<F16S>(w.biases, panel * groups + g);
+      for (int r = 0; r < kTileTokens; ++r) v[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups + g]), v[r]);
+    }
+  }
+  for (int r = 0; r < kTileTokens; ++r) _mm512_store_ps(acc[r], v[r]);
+}
+
+// acc[tile][j] = y (16 tokens from t0 + 16 tile, 16 rows of gr.panel[j]) for `tiles` token tiles. Weight
+// chunks outermost: each chunk of the group's B is unpacked once and reused by every token tile; the float
+// accumulators wait in acc between chunks. Per tile the products of the next kBatch blocks are issued
+// before the fold of the current ones (hi / lo double-buffered).
+template <int BITS, bool F16S, bool WIDE>
+void pass(const QmmWeights& w, const QmmActs& a, const Group& gr, int64_t t0, int tiles,
+          float (*acc)[kGroup][kTileTokens][R]) {
+  const int K = w.K, blocks = K / kActBlock;
+  alignas(64) int8_t unpacked[BITS == 4 ? kGroup : 1][BITS == 4 ? kChunkBlocks * kBlockBytes : 64];
+  alignas(64) Sums hi[2][kBatch], lo[WIDE ? 2 : 1][WIDE ? kBatch : 1];
+  std::memset(acc, 0, sizeof(float) * tiles * kGroup * kTileTokens * R);
+  for (int c0 = 0; c0 < blocks; c0 += kChunkBlocks) {
+    const int nb = kernel::min_of(kChunkBlocks, blocks - c0);
+    const int8_t* b[kGroup] = {};  // the chunk's int8 B of each panel
+    for (int j = 0; j < gr.np; ++j) {
+      const uint8_t* src = w.q + gr.panel[j] * qmm::panel_bytes(w);
+      if constexpr (BITS == 4) {
+        unpack_chunk(src + static_cast<int64_t>(c0) * kBlockBytes / 2, nb, unpacked[j]);
+        b[j] = unpacked[j];
+      } else {
+        b[j] = reinterpret_cast<const int8_t*>(src) + static_cast<int64_t>(c0) * kBlockBytes;
+      }
+    }
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int64_t t = t0 + tile * kTileTokens;
+      const int8_t* xh = a.xq + t * K + c0 * kActBlock;
+      const int8_t* xl = WIDE ? a.xlo + t * K + c0 * kActBlock : nullptr;
+      auto issue = [&](int i, int buf) {  // products of chunk block i into hi/lo[buf][i % kBatch]
+        block_products<WIDE>(xh + i * kActBlock, WIDE ? xl + i * kActBlock : nullptr, K, b,
+                             static_cast<int64_t>(i) * kBlockBytes, gr.np, hi[buf][i % kBatch],
+                             lo[WIDE ? buf : 0][WIDE ? i % kBatch : 0]);
+      };
+      for (int i = 0; i < kernel::min_of(kBatch, nb); ++i) issue(i, 0);
+      for (int i0 = 0, buf = 0; i0 < nb; i0 += kBatch, buf ^= 1) {
+        for (int i = i0 + kBatch; i < kernel::min_of(i0 + 2 * kBatch, nb); ++i) issue(i, buf ^ 1);
+        for (int j = 0; j < gr.np; ++j)
+          fold<BITS, F16S, WIDE>(w, a, gr.panel[j], t, c0 + i0, kernel::min_of(kBatch, nb - i0), j, hi[buf],
+                                 lo[WIDE ? buf : 0], acc[tile][j]);
       }
     }
   }
 }
 
-// acc[t] = y[t0 + t, 16p + r] for 16 tokens of one panel, as qmm::tile computes it. b: the int8 panel;
-// xh / xl: the tile's first activation row (row stride K). Software-pipelined: the products of the next
-// kBatch blocks are issued before the float epilogue of the current ones (double-buffered sums), so that
-// the tile unit and the vector ports work at the same time.
-template <bool F16S, bool WIDE>
-void tile16(const QmmWeights& w, const QmmActs& a, int64_t p, const int8_t* b, const int8_t* xh, const int8_t* xl,
-            int64_t t0, float acc_out[][R]) {
-  const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
-  alignas(64) int32_t hi[2][kBatch][kTileTokens][R], lo[WIDE ? 2 : 1][WIDE ? kBatch : 1][kTileTokens][R];
-  __m512 acc[kTileTokens];
-  for (int t = 0; t < kTileTokens; ++t) acc[t] = _mm512_setzero_ps();
-  const float* xd = a.xd + t0 * blocks;
-  const float* xs = a.xsum + t0 * groups;
-  products<WIDE>(xh, xl, K, b, 0, kernel::min_of(kBatch, blocks), hi[0], lo[0]);
-  int g = 0, bb = 0;  // the weight group of the next block, and the block's place in it
-  for (int b0 = 0, buf = 0; b0 < blocks; b0 += kBatch, buf ^= 1) {
-    const int n = kernel::min_of(kBatch, blocks - b0);
-    if (b0 + kBatch < blocks)
-      products<WIDE>(xh, xl, K, b, b0 + kBatch, kernel::min_of(kBatch, blocks - b0 - kBatch), hi[buf ^ 1],
-                     lo[WIDE ? buf ^ 1 : 0]);
-    for (int i = 0; i < n; ++i) {
-      const int blk = b0 + i;
-      const __m512 s = scales16<F16S>(w.scales, p * groups + g);
-      for (int t = 0; t < kTileTokens; ++t) {
-        __m512i ia = _mm512_load_si512(hi[buf][i][t]);
-        if constexpr (WIDE) ia = qmm::combine(ia, _mm512_load_si512(lo[buf][i][t]));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s, _mm512_set1_ps(xd[t * blocks + blk])),
-                                 acc[t]);
-      }
-      if (++bb == per_group) {  // the group's bias term, after its last block
-        const __m512 m = scales16<F16S>(w.biases, p * groups + g);
-        for (int t = 0; t < kTileTokens; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * groups + g]), acc[t]);
-        bb = 0, ++g;
-      }
-    }
-  }
-  for (int t = 0; t < kTileTokens; ++t) _mm512_storeu_ps(acc_out[t], acc[t]);
-}
-
-template <bool F16S, bool WIDE>
+// Panels [p_begin, p_end) (pairs with glu) x whole token tiles [t_begin, t_end), by groups and passes.
+template <int BITS, bool F16S, bool WIDE>
 void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
                 int64_t t_begin, int64_t t_end) {
-  thread_local PanelBuffer gate_panel, up_panel;
-  alignas(64) float acc[kTileTokens][R], up[kTileTokens][R];
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const int64_t col0 = (p - o.first_panel) * R;
-    const size_t cols = static_cast<size_t>(kernel::min_of<int64_t>(R, o.columns - col0));
-    const int64_t wp = o.glu < 0 ? p : 2 * p;  // pair p: gate panel 2p, up panel 2p + 1
-    const int8_t* gb = int8_panel(w, wp, gate_panel);
-    const int8_t* ub = o.glu < 0 ? nullptr : int8_panel(w, wp + 1, up_panel);
-    for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileTokens) {
-      const int8_t* xh = a.xq + t0 * w.K;
-      const int8_t* xl = WIDE ? a.xlo + t0 * w.K : nullptr;
-      tile16<F16S, WIDE>(w, a, wp, gb, xh, xl, t0, acc);
-      if (o.glu >= 0) {
-        tile16<F16S, WIDE>(w, a, wp + 1, ub, xh, xl, t0, up);
-        for (int t = 0; t < kTileTokens; ++t) qmm::glu_row(o.glu, acc[t], up[t], acc[t]);
+  alignas(64) float acc[kPassTiles][kGroup][kTileTokens][R];
+  const int step = o.glu >= 0 ? 2 : 1;  // weight panels per output panel
+  for (int64_t p = p_begin; p < p_end;) {
+    const int nout = static_cast<int>(kernel::min_of<int64_t>(kGroup / step, p_end - p));
+    Group gr{{}, nout * step};
+    for (int j = 0; j < gr.np; ++j) gr.panel[j] = step * p + j;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += kPassTiles * kTileTokens) {
+      const int tiles = static_cast<int>(kernel::min_of<int64_t>(kPassTiles, (t_end - t0) / kTileTokens));
+      pass<BITS, F16S, WIDE>(w, a, gr, t0, tiles, acc);
+      for (int tile = 0; tile < tiles; ++tile) {
+        for (int j = 0; j < nout; ++j) {
+          float (*y)[R] = acc[tile][step * j];  // with glu: act(gate) * up into the gate's accumulators
+          for (int t = 0; t < kTileTokens && o.glu >= 0; ++t) qmm::glu_row(o.glu, y[t], acc[tile][2 * j + 1][t], y[t]);
+          const int64_t col0 = (p + j - o.first_panel) * R;
+          const size_t cols = static_cast<size_t>(kernel::min_of<int64_t>(R, o.columns - col0));
+          for (int t = 0; t < kTileTokens; ++t)
+            std::memcpy(o.out + (t0 + tile * kTileTokens + t) * o.ld + col0, y[t], sizeof(float) * cols);
+        }
       }
-      for (int t = 0; t < kTileTokens; ++t) std::memcpy(o.out + (t0 + t) * o.ld + col0, acc[t], sizeof(float) * cols);
     }
+    p += nout;
   }
+}
+
+template <int BITS, bool WIDE>
+void run_bits(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end, int64_t t_begin,
+              int64_t t_end) {
+  const auto run = w.f16_scales ? run_panels<BITS, true, WIDE> : run_panels<BITS, false, WIDE>;
+  run(w, a, o, p_begin, p_end, t_begin, t_end);
 }
 
 void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end, int64_t t_begin,
@@ -213,10 +260,10 @@ void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_be
     static const TileConfig config = make_config();
     _tile_loadconfig(&config);
     const bool wide = a.xlo != nullptr;
-    if (w.f16_scales)
-      (wide ? run_panels<true, true> : run_panels<true, false>)(w, a, o, p_begin, p_end, t_begin, t_tiles);
+    if (w.bits == 4)
+      (wide ? run_bits<4, true> : run_bits<4, false>)(w, a, o, p_begin, p_end, t_begin, t_tiles);
     else
-      (wide ? run_panels<false, true> : run_panels<false, false>)(w, a, o, p_begin, p_end, t_begin, t_tiles);
+      (wide ? run_bits<8, true> : run_bits<8, false>)(w, a, o, p_begin, p_end, t_begin, t_tiles);
     _tile_release();
   }
   if (t_tiles < t_end) qmm::panels(w, a, o, p_begin, p_end, t_tiles, t_end);

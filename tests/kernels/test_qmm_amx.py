@@ -46,18 +46,37 @@ def test_prompt_chunks_match_emulation_and_avx512(k, tokens, bits, gs, activatio
 
 
 @needs_amx
+@pytest.mark.parametrize("n", [72, 104])
+@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("bits,gs", [(4, 64), (4, 128), (8, 32), (8, 128)])
+def test_chunk_remainders_and_passes_equal_avx512(bits, gs, activation_bits, n):
+    """K = 640 is two weight chunks of 8 blocks plus 4; 345 tokens are token blocks of 304 (144 with int16,
+    qmm.cpp) cut into passes of at most 8 tiles of 16, and 9 tokens left to the avx512 tile; float32
+    scales; N = 72 and 104 are 5 and 7 panels (the last one partial): groups of 4 and 1, 4 and 3."""
+    rng = np.random.default_rng(bits + gs + activation_bits)
+    k, tokens = 640, 345
+    triple, _, _ = random_weight(rng, n, k, bits, gs)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    packed = qmm.pack(*triple, bits, gs, mx.float32)
+    outs = [np.array(on(isa, lambda: run(x, packed, bits, gs, [n], activation_bits=activation_bits)[0]))
+            for isa in ("avx512", "avx512_amx")]
+    assert np.array_equal(*outs)
+
+
+@needs_amx
 @pytest.mark.parametrize("glu", [0, 1])
 def test_glu_pairs_and_fused_outputs_equal_avx512(glu):
-    """gate/up panel pairs with the activation epilogue, and three outputs in one call (q/k/v style)."""
+    """gate/up panel pairs with the activation epilogue (3 pairs: a group of two and one alone), and
+    two outputs in one call (q/k/v style)."""
     rng = np.random.default_rng(glu)
     k, tokens = 512, 48
     x = rng.standard_normal((tokens, k)).astype(np.float32)
-    gate, _, _ = random_weight(rng, 24, k, 4, 32)
-    up, _, _ = random_weight(rng, 24, k, 4, 32)
+    gate, _, _ = random_weight(rng, 40, k, 4, 32)
+    up, _, _ = random_weight(rng, 40, k, 4, 32)
     layers = [qmm.pack(*gate, 4, 32), qmm.pack(*up, 4, 32)]
     paired = tuple(mx.contiguous(mx.stack([g, u], axis=1).reshape(-1, *g.shape[1:])) for g, u in zip(*layers))
     fused = tuple(mx.concatenate([layer[i] for layer in layers]) for i in range(3))
-    for packed, columns, glu_code in ((paired, [24], glu), (fused, [24, 24], -1)):
+    for packed, columns, glu_code in ((paired, [40], glu), (fused, [40, 40], -1)):
         outs = {isa: [np.array(o) for o in on(isa, lambda: run(x, packed, 4, 32, columns, glu=glu_code,
                                                                   activation_bits=8))]
                 for isa in ("avx512", "avx512_amx")}
