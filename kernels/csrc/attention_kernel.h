@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernel_table.h"
 #include "vecmath.h"
@@ -54,6 +55,41 @@ inline void for_each_slot(const DecodeDims& dm, const int32_t* table, int start,
 }
 
 
+// Reads 8 values of one pool row (one slot, one kv head) from column c as floats. float, f16_t and
+// bf16_t rows hold the values; int8_t rows are q8 (kernel_table.h): head_dim int8 values, then one
+// float16 scale per `group` values, dequantized here in registers (no widened copy of the pool).
+template <typename T>
+struct RowReader {
+  RowReader(int /*head_dim*/, int /*group*/) noexcept {}
+  v8f operator()(const T* row, int c) const noexcept { return load8(row + c); }
+};
+
+typedef int8_t v8b __attribute__((vector_size(8)));
+
+inline float f16_scale(uint16_t bits) noexcept {
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return f16_to_float(bits);
+#endif
+}
+
+template <>
+struct RowReader<int8_t> {
+  int head_dim;
+  uint8_t group_of[kMaxHeadDim / kW];  // the scale index of each 8-value chunk (no division per load)
+  RowReader(int hd, int group) noexcept : head_dim(hd) {
+    for (int c = 0; c < hd / kW; ++c) group_of[c] = static_cast<uint8_t>(c * kW / group);
+  }
+  v8f operator()(const int8_t* row, int c) const noexcept {
+    v8b b;
+    std::memcpy(&b, row + c, sizeof(b));
+    uint16_t bits;
+    std::memcpy(&bits, row + head_dim + 2 * group_of[c / kW], sizeof(bits));
+    return __builtin_convertvector(b, v8f) * f16_scale(bits);
+  }
+};
+
 // One (sequence, kv head) task over REP of its query heads. q: (REP, hd) unscaled rows; out: (REP, hd).
 // head_dim a multiple of 8, <= kMaxHeadDim (checked by the op); no allocation, nothing thrown.
 template <typename T, int REP>
@@ -61,7 +97,8 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
                  float* out, float* scratch, int g) noexcept {
   constexpr int rep = REP;
   const int hd = dm.head_dim, chunks = hd / kW;
-  const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * hd;
+  const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;  // elements of T per slot
+  const RowReader<T> read(hd, dm.q8_group);
   const int start = dm.window > 0 ? max_of(0, ctx - dm.window) : 0;
   const int n = ctx - start;
   bool valid = ctx >= 1 && static_cast<int64_t>(ctx) <= static_cast<int64_t>(dm.max_blocks) * dm.block_size;
@@ -76,11 +113,11 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
   for (int r = 0; r < rep; ++r)
     for (int c = 0; c < chunks; ++c) qv[r * chunks + c] = load8(q + r * hd + c * kW) * dm.scale;
 
-  const T* kg = kp + static_cast<int64_t>(g) * hd;
-  for_each_slot(dm, table, start, ctx, row_stride, kg, hd * int(sizeof(T)), [&](int t, int64_t row) {
+  const T* kg = kp + static_cast<int64_t>(g) * dm.kv_row;
+  for_each_slot(dm, table, start, ctx, row_stride, kg, dm.kv_row * int(sizeof(T)), [&](int t, int64_t row) {
     v8f acc[rep] = {};
     for (int c = 0; c < chunks; ++c) {
-      const v8f k = load8(kg + row + c * kW);
+      const v8f k = read(kg + row, c * kW);
       for (int r = 0; r < rep; ++r) acc[r] += qv[r * chunks + c] * k;
     }
     for (int r = 0; r < rep; ++r) s[static_cast<int64_t>(r) * n + (t - start)] = hsum(acc[r]);
@@ -105,12 +142,12 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
 
   v8f acc[rep * (kMaxHeadDim / kW)];  // (rep, chunks) output accumulators
   for (int i = 0; i < rep * chunks; ++i) acc[i] = v8f{};
-  const T* vg = vp + static_cast<int64_t>(g) * hd;
-  for_each_slot(dm, table, start, ctx, row_stride, vg, hd * int(sizeof(T)), [&](int t, int64_t row) {
+  const T* vg = vp + static_cast<int64_t>(g) * dm.kv_row;
+  for_each_slot(dm, table, start, ctx, row_stride, vg, dm.kv_row * int(sizeof(T)), [&](int t, int64_t row) {
     float p[rep];
     for (int r = 0; r < rep; ++r) p[r] = s[static_cast<int64_t>(r) * n + (t - start)];
     for (int c = 0; c < chunks; ++c) {
-      const v8f v = load8(vg + row + c * kW);
+      const v8f v = read(vg + row, c * kW);
       for (int r = 0; r < rep; ++r) acc[r * chunks + c] += p[r] * v;
     }
   });
