@@ -55,13 +55,18 @@ inline void for_each_slot(const DecodeDims& dm, const int32_t* table, int start,
 }
 
 
-// Reads 8 values of one pool row (one slot, one kv head) from column c as floats. float, f16_t and
-// bf16_t rows hold the values; int8_t rows are q8 (kernel_table.h): head_dim int8 values, then one
-// float16 scale per `group` values, dequantized here in registers (no widened copy of the pool).
+// Reads one pool row (one slot, one kv head) as floats, 8 values at a time: f(c, v) for each chunk c
+// (columns 8c .. 8c + 7). float, f16_t and bf16_t rows hold the values; int8_t rows are q8
+// (kernel_table.h): head_dim int8 values, then one float16 scale per `group` values, dequantized here in
+// registers (no widened copy of the pool), each scale converted once per group.
 template <typename T>
 struct RowReader {
-  RowReader(int /*head_dim*/, int /*group*/) noexcept {}
-  v8f operator()(const T* row, int c) const noexcept { return load8(row + c); }
+  RowReader(int head_dim, int /*group*/) noexcept : chunks(head_dim / kW) {}
+  template <typename F>
+  void operator()(const T* row, F&& f) const noexcept {
+    for (int c = 0; c < chunks; ++c) f(c, load8(row + c * kW));
+  }
+  int chunks;
 };
 
 typedef int8_t v8b __attribute__((vector_size(8)));
@@ -76,18 +81,21 @@ inline float f16_scale(uint16_t bits) noexcept {
 
 template <>
 struct RowReader<int8_t> {
-  int head_dim;
-  uint8_t group_of[kMaxHeadDim / kW];  // the scale index of each 8-value chunk (no division per load)
-  RowReader(int hd, int group) noexcept : head_dim(hd) {
-    for (int c = 0; c < hd / kW; ++c) group_of[c] = static_cast<uint8_t>(c * kW / group);
+  RowReader(int head_dim, int group) noexcept : head_dim(head_dim), groups(head_dim / group), per_group(group / kW) {}
+  template <typename F>
+  void operator()(const int8_t* row, F&& f) const noexcept {
+    for (int k = 0, c = 0; k < groups; ++k) {
+      uint16_t bits;
+      std::memcpy(&bits, row + head_dim + 2 * k, sizeof(bits));
+      const float d = f16_scale(bits);
+      for (const int end = c + per_group; c < end; ++c) {
+        v8b b;
+        std::memcpy(&b, row + c * kW, sizeof(b));
+        f(c, __builtin_convertvector(b, v8f) * d);
+      }
+    }
   }
-  v8f operator()(const int8_t* row, int c) const noexcept {
-    v8b b;
-    std::memcpy(&b, row + c, sizeof(b));
-    uint16_t bits;
-    std::memcpy(&bits, row + head_dim + 2 * group_of[c / kW], sizeof(bits));
-    return __builtin_convertvector(b, v8f) * f16_scale(bits);
-  }
+  int head_dim, groups, per_group;
 };
 
 // One (sequence, kv head) task over REP of its query heads. q: (REP, hd) unscaled rows; out: (REP, hd).
@@ -116,10 +124,9 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
   const T* kg = kp + static_cast<int64_t>(g) * dm.kv_row;
   for_each_slot(dm, table, start, ctx, row_stride, kg, dm.kv_row * int(sizeof(T)), [&](int t, int64_t row) {
     v8f acc[rep] = {};
-    for (int c = 0; c < chunks; ++c) {
-      const v8f k = read(kg + row, c * kW);
+    read(kg + row, [&](int c, v8f k) {
       for (int r = 0; r < rep; ++r) acc[r] += qv[r * chunks + c] * k;
-    }
+    });
     for (int r = 0; r < rep; ++r) s[static_cast<int64_t>(r) * n + (t - start)] = hsum(acc[r]);
   });
 
@@ -146,10 +153,9 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
   for_each_slot(dm, table, start, ctx, row_stride, vg, dm.kv_row * int(sizeof(T)), [&](int t, int64_t row) {
     float p[rep];
     for (int r = 0; r < rep; ++r) p[r] = s[static_cast<int64_t>(r) * n + (t - start)];
-    for (int c = 0; c < chunks; ++c) {
-      const v8f v = read(vg + row, c * kW);
+    read(vg + row, [&](int c, v8f v) {
       for (int r = 0; r < rep; ++r) acc[r * chunks + c] += p[r] * v;
-    }
+    });
   });
   for (int r = 0; r < rep; ++r)
     for (int c = 0; c < chunks; ++c) store8(out + r * hd + c * kW, acc[r * chunks + c] * inv_sum[r]);

@@ -61,10 +61,8 @@ inline void widen_tile(const PrefillDims& dm, const T* kp, const T* vp, const in
   for (int t = t0; t < t1; ++t) {
     const int j = t - t0;
     const int64_t row = (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * stride + static_cast<int64_t>(g) * dm.kv_row;
-    for (int c = 0; c < hd; c += kW) {
-      store8(kf + j * hd + c, read(kp + row, c));
-      store8(vf + j * hd + c, read(vp + row, c));
-    }
+    read(kp + row, [&](int c, v8f k) { store8(kf + j * hd + c * kW, k); });
+    read(vp + row, [&](int c, v8f v) { store8(vf + j * hd + c * kW, v); });
   }
   fill(kf + (t1 - t0) * hd, kf + KT * hd, 0.0f);
   fill(vf + (t1 - t0) * hd, vf + KT * hd, 0.0f);
