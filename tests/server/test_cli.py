@@ -34,6 +34,16 @@ def test_flags_map_onto_engine_config():
     assert (args.api_key, args.port) == ("k", 9000)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "float32", "float16", "bfloat16", "int8"])
+def test_every_kv_cache_dtype_is_a_flag_value(dtype):
+    assert engine_config(_parse("--kv-cache-dtype", dtype)).kv_cache_dtype == dtype
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(SystemExit):
+        _parse("--kv-cache-dtype", "int4")
+
+
 def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("METRALE_API_KEY", "from-env")
     assert _parse().api_key is None  # the flag's default; the settings fall back to the variable
