@@ -85,8 +85,9 @@ def test_kv_write_quantizes_bit_for_bit_as_the_emulation_and_the_mlx_reference(h
 @pytest.mark.parametrize("n_heads,n_kv,head_dim,group", [(9, 3, 64, 32), (8, 2, 128, 32), (4, 4, 64, 64),
                                                          (16, 2, 24, 24), (6, 1, 128, 128)])
 def test_decode_over_int8_pools_matches_float64_attention_of_the_dequantized_values(window, n_heads, n_kv,
-                                                                                 head_dim, group):
-    """Contexts of 1, 16 (a full block), 17 (one past it) and 100 tokens, scattered blocks of 16."""
+                                                                                 head_dim, group, isa):
+    """Contexts of 1, 16 (a full block), 17 (one past it) and 100 tokens, scattered blocks of 16; every
+    instruction set this CPU runs (the `isa` fixture)."""
     rng = np.random.default_rng(n_heads * head_dim + (window or 0))
     bs, contexts = 16, [1, 16, 17, 100]
     tables, num_blocks = scattered_tables(rng, contexts, bs)
@@ -115,7 +116,7 @@ def test_decode_over_int8_pools_matches_float64_attention_of_the_dequantized_val
 @needs_kernels
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("window", [None, 50])
-def test_a_prompt_in_chunks_over_cached_int8_kv_matches_float64_attention(n_heads, n_kv, head_dim, window):
+def test_a_prompt_in_chunks_over_cached_int8_kv_matches_float64_attention(n_heads, n_kv, head_dim, window, isa):
     """A 150-token prompt prefilled in chunks of 48 (key tiles of 64, blocks of 16 crossed mid-chunk):
     each chunk writes its K/V through PagedKVCache.write (the kernel quantizes), then attends over
     everything cached so far with the paged prefill kernel."""
