@@ -5,7 +5,7 @@ head vector's head_dim values as int8, then one float16 scale per group of group
 (its two bytes, little-endian), llama.cpp's q8_0 laid out per head vector:
 
     row = [q_0 .. q_{hd-1} | d_0 lo, d_0 hi | d_1 lo, d_1 hi | ...]        value_i = q_i * d_{i // group}
-    d = float16(max|x| / 127) over the group,  q = clamp(round_half_even(x / d), -127, 127)  (0 when d == 0)
+    d = float16(max|x| / 127) over the group,  q = round_half_even(clamp(x * (1 / d), -127, 127))  (0 when d == 0)
 
 The C++ kernels quantize as they write (kernels/csrc/kv_write.cpp) and dequantize in registers as they
 read; the functions here are the same arithmetic in MLX, for the reference backend (any device) and the
@@ -45,7 +45,8 @@ def quantize(x: mx.array) -> mx.array:
     scales = (mx.abs(groups).max(axis=-1, keepdims=True) / 127.0).astype(mx.float16)  # (..., n_groups, 1)
     d = scales.astype(mx.float32)
     safe = mx.where(d > 0, d, mx.array(1.0, dtype=mx.float32))
-    q = mx.where(d > 0, mx.clip(mx.round(groups / safe), -127, 127), 0.0).astype(mx.int8)  # (..., n_groups, group)
+    inv = mx.where(d > 0, 1.0 / safe, 0.0)  # float32 reciprocal, as kv_write.cpp multiplies by it
+    q = mx.round(mx.clip(groups * inv, -127, 127)).astype(mx.int8)  # (..., n_groups, group)
     scale_bytes = mx.view(mx.contiguous(scales.reshape(*x.shape[:-1], -1)), mx.int8)  # (..., 2 * n_groups)
     return mx.concatenate([q.reshape(*x.shape[:-1], head_dim), scale_bytes], axis=-1)
 

@@ -4,7 +4,7 @@
 //
 // An int8 pool is q8 (kernel_table.h): each (slot, kv head) row is head_dim int8 values then one
 // float16 scale per group of `group` values; kv_write quantizes float32 rows as it writes them:
-//   d = float16(max|x| / 127) per group,  q = clamp(round_half_even(x / d), -127, 127)  (q = 0 when d = 0)
+//   d = float16(max|x| / 127) per group,  q = round_half_even(clamp(x * (1 / d), -127, 127))  (q = 0 when d = 0)
 #pragma once
 
 #include <vector>

@@ -25,8 +25,9 @@ def quantize_np(x: np.ndarray, group: int) -> np.ndarray:
     g = x.astype(np.float32).reshape(*x.shape[:-1], hd // group, group)  # (..., n_groups, group)
     d16 = (np.abs(g).max(-1, keepdims=True) / np.float32(127)).astype(np.float16)  # (..., n_groups, 1)
     d = d16.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d > 0, np.clip(np.round(g / d), -127, 127), 0).astype(np.int8)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.round(np.clip(g * inv, -127, 127)).astype(np.int8)
     scale_bytes = np.ascontiguousarray(d16.reshape(*x.shape[:-1], -1)).view(np.int8)  # (..., 2 * n_groups)
     return np.concatenate([q.reshape(*x.shape[:-1], hd), scale_bytes], axis=-1)
 
