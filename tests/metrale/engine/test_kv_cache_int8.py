@@ -128,3 +128,28 @@ def test_int8_last_position_logits_stay_near_float16_on_the_default_model():
     assert max(r[1] for r in report) <= MAX_DIFF_OF_RANGE, report
     assert max(r[2] for r in report) <= MEAN_DIFF_OF_RANGE, report
     assert not mismatches, mismatches
+
+
+def test_gemma2_soft_capped_attention_reads_int8_pools_as_their_dequantized_values():
+    """gemma2's own attention (gathered rows, capped scores) over an int8 cache equals it over a float32
+    cache holding the dequantized values, on a decode + chunk step."""
+    from kvcache.attention import AttentionMetadata
+    from metrale.models.gemma2 import softcapped_paged_attention
+
+    rng = np.random.default_rng(0)
+    n_kv, hd, bs = 2, 64, 4
+    tables, contexts, query_lens = [[3, 0, 5], [1, 2, 4, 6]], [9, 14], [1, 6]
+    q8 = PagedKVCache(1, 8, bs, n_kv, hd, dtype=mx.int8)
+    wide = PagedKVCache(1, 8, bs, n_kv, hd, dtype=mx.float32)
+    for table, ctx in zip(tables, contexts):
+        pos = np.arange(ctx)
+        slots = mx.array((np.asarray(table)[pos // bs] * bs + pos % bs).astype(np.int32))
+        k, v = (mx.array(rng.standard_normal((ctx, n_kv, hd)).astype(np.float32)) for _ in range(2))
+        q8.write(0, k, v, slots)
+        wide.write(0, quantized.dequantize(quantized.quantize(k), hd), quantized.dequantize(quantized.quantize(v), hd),
+                   slots)
+    queries = mx.array(rng.standard_normal((sum(query_lens), 6, hd)).astype(np.float32))
+    md = AttentionMetadata.build(query_lens, contexts, tables, bs)
+    got = softcapped_paged_attention(queries, *q8.layer(0), md, 0.125, 30.0, None)
+    want = softcapped_paged_attention(queries, *wide.layer(0), md, 0.125, 30.0, None)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
