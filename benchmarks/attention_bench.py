@@ -34,6 +34,7 @@ from kernels import ext as _ext  # noqa: E402
 from kernels.backend import attention_backend
 from kvcache import attention as _attention  # noqa: E402
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
+from kvcache import quantized  # noqa: E402
 from kvcache.storage import PagedKVCache  # noqa: E402
 
 
@@ -72,8 +73,9 @@ def run_case(name, args, num_decode, chunks, backends):
     cache = PagedKVCache(args.layers, args.num_blocks, bs, n_kv, hd, getattr(mx, args.kv_dtype))
     for layer in range(args.layers):  # fill the pools with random data (not timed)
         k_pool, v_pool = cache.layer(layer)
-        k_pool[:] = mx.random.normal(k_pool.shape).astype(k_pool.dtype)
-        v_pool[:] = mx.random.normal(v_pool.shape).astype(v_pool.dtype)
+        for pool in (k_pool, v_pool):
+            values = mx.random.normal((*pool.shape[:2], hd))  # (num_slots, n_kv, hd)
+            pool[:] = quantized.quantize(values) if pool.dtype == mx.int8 else values.astype(pool.dtype)
     mx.eval([cache.layer(i) for i in range(args.layers)])
     queries = [mx.random.normal((num_tokens, n_heads, hd)) for _ in range(args.layers)]  # each (T, H, hd)
     new_kv = mx.random.normal((num_tokens, n_kv, hd))  # (T, n_kv, hd)
@@ -128,7 +130,8 @@ def main(argv=None):
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--backend", choices=["reference", "kernel", "both", "gathered", "kernel+gathered"], default="both")
-    p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16", "int8"], default="float32")
+    p.add_argument("--decode-only", action="store_true", help="only the decode case (no mixed, no prefill)")
     p.add_argument("--prefill-chunks", nargs="+", metavar="QxC", help="prefill cases: Q queries ending at context C")
     args = p.parse_args(argv)
 
@@ -148,6 +151,8 @@ def main(argv=None):
             run_case(f"prefill {q}x{c}", args, 0, [(q, c)], backends)
         return
     run_case("decode", args, args.num_decode, [], backends)
+    if args.decode_only:
+        return
     run_case("mixed", args, args.num_decode - 4, [(128, 128), (64, 320), (16, 1040), (5, 21)], backends)
     run_case("prefill", args, 0, [(512, 512), (256, 1024)], backends)
 

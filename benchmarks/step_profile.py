@@ -141,9 +141,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="EngineConfig.dtype: auto (quantized kernels) or float32")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--model", default=None, help="a GGUF file or model id (default: EngineConfig's)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (auto, float32, float16, "
+                        "bfloat16, int8)")
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool size: batch x context must fit")
     args = parser.parse_args()
     model = {"model": args.model} if args.model else {}
-    runner = ModelRunner.load(EngineConfig(kv_cache_bytes=512 << 20, dtype=args.dtype, **model))
+    runner = ModelRunner.load(EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, dtype=args.dtype,
+                                           kv_cache_dtype=args.kv_cache_dtype, **model))
     step = decode_step(runner, args.batch, args.context)
     full = best_of(lambda: runner.execute(step), args.repeat)
     parts = phases(runner, step, args.repeat)
@@ -151,6 +155,7 @@ def main() -> None:
     attn = attention_only(runner, args.batch, args.context, args.repeat)
     result = {"model": args.model or "default",
               "batch": args.batch, "context": args.context, "dtype": args.dtype,
+              "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("mlx.core."),
               "backends": select_backends().describe(), "cpu_isa": ext.cpu_isa(),
               "attention_backend": attention_backend(), "step_ms": round(full * 1e3, 2),
               **{k: round(v, 2) for k, v in parts.items()},

@@ -1,8 +1,8 @@
 """kvcache: paged KV block accounting (pure Python) and, in separate modules, MLX storage.
 
 Importing this package loads only the pure-Python accounting (blocks, hashing, manager): it never
-imports mlx. The MLX halves, `kvcache.storage` and `kvcache.attention`, are imported explicitly by
-the runner.
+imports mlx. The MLX halves, `kvcache.storage`, `kvcache.attention` and `kvcache.quantized` (the int8
+row format), are imported explicitly by the runner.
 """
 
 from kvcache.blocks import BlockPool, FreeBlockQueue, KVCacheBlock

@@ -18,8 +18,9 @@ and carried to every layer by the step's metadata:
   reference  plain MLX: gather the context rows, then mx.fast.scaled_dot_product_attention with a
              boolean mask; runs on every backend.
   kernel     kernels/ (C++, CPU, optional build): decode rows and prefill chunks read K/V straight
-             from the pools through the block tables (float32, float16 or bfloat16 pools, widened in
-             registers); chunks in key tiles with an online softmax, so no (q_len, context) scores.
+             from the pools through the block tables (float32, float16 or bfloat16 pools widened, int8
+             q8 pools dequantized, in registers); chunks in key tiles with an online softmax, so no
+             (q_len, context) scores. The reference dequantizes the gathered q8 rows with MLX ops.
 Both are tested against dense attention (tests/kvcache/test_attention.py, test_ext.py).
 """
 
@@ -34,8 +35,9 @@ import numpy as np
 from kernels import ext
 from kernels.backend import attention_backend
 from kernels.runtime import mx
+from kvcache import quantized
 
-__all__ = ["AttentionMetadata", "DecodeRun", "PrefillChunk", "paged_attention"]
+__all__ = ["AttentionMetadata", "DecodeRun", "PrefillChunk", "gathered_values", "paged_attention"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -230,15 +232,22 @@ class AttentionMetadata:
 
 
 def _flat(pool: mx.array) -> mx.array:
-    return pool.reshape(pool.shape[0] * pool.shape[1], pool.shape[2])  # (num_slots * n_kv_heads, head_dim)
+    return pool.reshape(pool.shape[0] * pool.shape[1], pool.shape[2])  # (num_slots * n_kv_heads, row_width)
+
+
+def gathered_values(rows: mx.array, head_dim: int, dtype: mx.Dtype) -> mx.array:
+    """Rows gathered from a pool (..., row_width) as (..., head_dim) values in `dtype` (q8 rows dequantized)."""
+    if rows.dtype == mx.int8:
+        return quantized.dequantize(rows, head_dim, dtype)
+    return rows.astype(dtype)
 
 
 def _decode_reference(queries, k_pool, v_pool, md, scale, window):
     """queries (B, n_heads, hd) -> (B, n_heads, hd), one sdpa padded to the longest context."""
-    n_kv = k_pool.shape[1]
+    n_kv, hd = k_pool.shape[1], queries.shape[2]
     rows, mask = md.cached(("decode", window, n_kv), lambda: md.decode_gather(window, n_kv))
-    keys = _flat(k_pool)[rows].astype(queries.dtype)  # (B, n_kv, L, hd)
-    values = _flat(v_pool)[rows].astype(queries.dtype)  # (B, n_kv, L, hd)
+    keys = gathered_values(_flat(k_pool)[rows], hd, queries.dtype)  # (B, n_kv, L, hd)
+    values = gathered_values(_flat(v_pool)[rows], hd, queries.dtype)  # (B, n_kv, L, hd)
     out = mx.fast.scaled_dot_product_attention(queries[:, :, None, :], keys, values, scale=scale, mask=mask)
     return out.reshape(queries.shape)  # (B, n_heads, hd)
 
@@ -279,8 +288,8 @@ def _chunk_gathered(queries, k_pool, v_pool, md, chunk, scale, window, use_kerne
     q_len, n_heads, head_dim = queries.shape
     q = queries.transpose(1, 0, 2)  # (n_heads, q_len, hd)
     wide = mx.float32 if use_kernel else queries.dtype
-    keys = _flat(k_pool)[rows].astype(wide)  # (1, n_kv, L, hd)
-    values = _flat(v_pool)[rows].astype(wide)  # (1, n_kv, L, hd)
+    keys = gathered_values(_flat(k_pool)[rows], head_dim, wide)  # (1, n_kv, L, hd)
+    values = gathered_values(_flat(v_pool)[rows], head_dim, wide)  # (1, n_kv, L, hd)
     if use_kernel:
         grouped = (q.astype(mx.float32) * scale).reshape(n_kv, -1, head_dim)  # (n_kv, rep * q_len, hd)
         scores = (grouped @ keys[0].swapaxes(1, 2)).reshape(n_heads, q_len, -1)  # (n_heads, q_len, L)
@@ -303,8 +312,8 @@ def paged_attention(
 ) -> mx.array:
     """Attention of this step's queries over each sequence's paged context.
 
-    queries: (T, n_heads, head_dim); k_pool, v_pool: (num_slots, n_kv_heads, head_dim) already
-    holding this step's K/V; n_heads a multiple of n_kv_heads (GQA). A query at position p sees
+    queries: (T, n_heads, head_dim); k_pool, v_pool: (num_slots, n_kv_heads, row_width) already
+    holding this step's K/V (row_width: head_dim, or an int8 q8 pool's quantized.row_width); n_heads a multiple of n_kv_heads (GQA). A query at position p sees
     positions p - sliding_window < k <= p. Returns (T, n_heads, head_dim) in the queries' dtype.
     With the C++ kernels (metadata.backend "kernel"; head_dim a multiple of 8, at most 256) decode
     rows and prefill chunks read the pools directly (float32 out); else the reference.
@@ -312,7 +321,8 @@ def paged_attention(
     md = metadata
     if queries.ndim != 3 or queries.shape[0] != md.num_tokens:
         raise ValueError(f"queries {tuple(queries.shape)} must be (T={md.num_tokens}, n_heads, head_dim)")
-    if k_pool.shape != v_pool.shape or k_pool.ndim != 3 or k_pool.shape[2] != queries.shape[2]:
+    width = quantized.row_width(queries.shape[2]) if k_pool.dtype == mx.int8 else queries.shape[2]
+    if k_pool.shape != v_pool.shape or k_pool.ndim != 3 or k_pool.shape[2] != width or k_pool.dtype != v_pool.dtype:
         raise ValueError(
             f"pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not fit queries {tuple(queries.shape)}"
         )

@@ -24,15 +24,18 @@ from __future__ import annotations
 from kernels import ext
 from kernels.backend import attention_backend
 from kernels.runtime import mx
+from kvcache import quantized
 
 __all__ = ["PagedKVCache"]
 
 
 class PagedKVCache:
-    """Per-layer K and V pools of shape `(num_blocks * block_size, n_kv_heads, head_dim)`.
+    """Per-layer K and V pools of shape `(num_blocks * block_size, n_kv_heads, row_width)`.
 
-    Allocated and materialized at construction; writes never grow them. Slot 0 of block 0 is an
-    ordinary slot (the runner pads block tables with 0, attention masks those positions out).
+    row_width is head_dim for float32 / float16 / bfloat16 pools; an mx.int8 pool is q8 (kvcache/quantized.py:
+    head_dim int8 values then float16 scales per row, row_width = quantized.row_width(head_dim)), quantized as
+    it is written. Allocated and materialized at construction; writes never grow them. Slot 0 of block 0 is
+    an ordinary slot (the runner pads block tables with 0, attention masks those positions out).
     """
 
     def __init__(
@@ -59,8 +62,9 @@ class PagedKVCache:
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (self.num_slots, n_kv_heads, head_dim)
-        # one K and one V pool per layer, each (num_slots, n_kv_heads, head_dim)
+        self.row_width = self.row_width_of(head_dim, dtype)
+        shape = (self.num_slots, n_kv_heads, self.row_width)
+        # one K and one V pool per layer, each (num_slots, n_kv_heads, row_width)
         self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self._values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self._keys, self._values)  # allocate now: the footprint is fixed from the start
@@ -68,11 +72,21 @@ class PagedKVCache:
         self._kv_write = getattr(ext.load(), "kv_write", None) if attention_backend() == "kernel" else None
 
     @staticmethod
+    def row_width_of(head_dim: int, dtype: mx.Dtype) -> int:
+        """Elements of one (slot, kv head) row: head_dim, or for int8 (q8) the values and their scales' bytes.
+        ValueError for a dtype the pools cannot hold."""
+        if dtype == mx.int8:
+            return quantized.row_width(head_dim)
+        if dtype not in (mx.float32, mx.float16, mx.bfloat16):
+            raise ValueError(f"KV pools hold float32, float16, bfloat16 or int8, got {dtype}")
+        return head_dim
+
+    @classmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32
+        cls, num_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32
     ) -> int:
-        """Bytes one block costs across all layers, K and V together."""
-        return 2 * num_layers * block_size * n_kv_heads * head_dim * dtype.size
+        """Bytes one block costs across all layers, K and V together (an int8 pool's scales included)."""
+        return 2 * num_layers * block_size * n_kv_heads * cls.row_width_of(head_dim, dtype) * dtype.size
 
     @classmethod
     def from_budget(
@@ -98,7 +112,8 @@ class PagedKVCache:
             shared = f" + {shared_bytes_per_block} bytes in pools sharing the budget" if shared_bytes_per_block else ""
             raise ValueError(
                 f"KV budget of {budget_bytes} bytes holds no block: one block of {block_size} tokens "
-                f"costs {own} bytes ({num_layers} layers x K,V x {n_kv_heads} heads x {head_dim} x {dtype}){shared}"
+                f"costs {own} bytes ({num_layers} layers x K,V x {n_kv_heads} heads x "
+                f"{cls.row_width_of(head_dim, dtype)} x {dtype}){shared}"
             )
         return cls(num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype)
 
@@ -113,7 +128,7 @@ class PagedKVCache:
         return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
 
     def layer(self, layer: int) -> tuple[mx.array, mx.array]:
-        """The (k_pool, v_pool) of `layer`, each (num_slots, n_kv_heads, head_dim)."""
+        """The (k_pool, v_pool) of `layer`, each (num_slots, n_kv_heads, row_width)."""
         return self._keys[layer], self._values[layer]
 
     def write(
@@ -121,8 +136,9 @@ class PagedKVCache:
     ) -> tuple[mx.array, mx.array]:
         """Write this step's K/V of `layer` into their slots; returns the layer's updated pools.
 
-        keys, values: (T, n_kv_heads, head_dim), cast to the pool dtype; slot_mapping: (T,) int32.
-        Lazy like any MLX op; the returned pools are what attention must read this step.
+        keys, values: (T, n_kv_heads, head_dim), cast to the pool dtype (int8 pools: quantized per row and
+        group, kvcache/quantized.py); slot_mapping: (T,) int32. Lazy like any MLX op; the returned pools are
+        what attention must read this step.
         """
         expected = (self.n_kv_heads, self.head_dim)
         if keys.shape != values.shape or tuple(keys.shape[1:]) != expected or keys.ndim != 3:
@@ -138,13 +154,18 @@ class PagedKVCache:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         # Rebinding the list's arrays to the write's outputs leaves the old pools held only by the
         # graph, so the write reuses their buffers (no pool copy, see module docstring).
-        keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        if self.dtype == mx.int8:
+            keys, values = keys.astype(mx.float32), values.astype(mx.float32)  # the kernel quantizes float32 rows
+            if self._kv_write is None or slot_mapping.dtype != mx.int32:
+                keys, values = quantized.quantize(keys), quantized.quantize(values)  # (T, n_kv_heads, row_width)
+        else:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
         if self._kv_write is not None and slot_mapping.dtype == mx.int32:
             self._keys[layer] = self._kv_write(self._keys[layer], keys, slot_mapping)
             self._values[layer] = self._kv_write(self._values[layer], values, slot_mapping)
         else:
-            self._keys[layer][slot_mapping] = keys  # (num_slots, n_kv_heads, head_dim)
-            self._values[layer][slot_mapping] = values  # (num_slots, n_kv_heads, head_dim)
+            self._keys[layer][slot_mapping] = keys  # (num_slots, n_kv_heads, row_width)
+            self._values[layer][slot_mapping] = values  # (num_slots, n_kv_heads, row_width)
         return self._keys[layer], self._values[layer]
 
     def copy_blocks(self, copies: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
@@ -161,7 +182,7 @@ class PagedKVCache:
         dst_slots = (mx.array([d for _, d in copies], dtype=mx.int32)[:, None] * self.block_size + offsets).reshape(-1)
         # gathered first and evaluated (C * block_size rows per pool), so the scatters below can
         # reuse their pools' buffers: nothing else still reads the old pools (see the module docstring)
-        keys = [pool[src_slots] for pool in self._keys]  # each (C * block_size, n_kv_heads, head_dim)
+        keys = [pool[src_slots] for pool in self._keys]  # each (C * block_size, n_kv_heads, row_width)
         values = [pool[src_slots] for pool in self._values]
         mx.eval(keys, values)
         for layer in range(self.num_layers):

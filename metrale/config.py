@@ -18,7 +18,7 @@ from metrale.speculative.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 GENERATION_CONFIGS = ("auto", "vllm")  # EngineConfig.generation_config
 MiB = 1 << 20
 _SCHEDULER_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
@@ -37,7 +37,9 @@ class EngineConfig:
     kv_cache_bytes: the KV pool's fixed footprint, allocated once at start.
     kv_cache_dtype: the dtype the KV pools store; "auto" is float16 on CPU when the activations are
         float32 (half the bytes per token, so twice the tokens in kv_cache_bytes; the CPU kernels
-        convert in registers) and the activations' dtype otherwise (GPU: unchanged).
+        convert in registers) and the activations' dtype otherwise (GPU: unchanged). "int8" stores q8 rows
+        (int8 values and a float16 scale per 32 values of a head vector, kvcache/quantized.py): 1.88x
+        float16's tokens at head_dim 64, at a measured quality cost (README, KV pool).
     seed: seeds the unseeded requests' sampling.
     failpoints: faults to inject, as METRALE_FAILPOINTS spells them (metrale.failpoints); None reads
         that variable when the engine starts.

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernel_table.h"
 #include "vecmath.h"
@@ -54,6 +55,59 @@ inline void for_each_slot(const DecodeDims& dm, const int32_t* table, int start,
 }
 
 
+// Reads one pool row (one slot, one kv head) as floats, 8 values at a time: f(c, v) for each chunk c
+// (columns 8c .. 8c + 7). float, f16_t and bf16_t rows hold the values; int8_t rows are q8
+// (kernel_table.h): head_dim int8 values, then one float16 scale per `group` values, dequantized here in
+// registers (no widened copy of the pool), each scale converted once per group.
+template <typename T>
+struct RowReader {
+  RowReader(int head_dim, int /*group*/) noexcept : chunks(head_dim / kW) {}
+  template <typename F>
+  void operator()(const T* row, F&& f) const noexcept {
+    for (int c = 0; c < chunks; ++c) f(c, load8(row + c * kW));
+  }
+  int chunks;
+};
+
+typedef int8_t v8b __attribute__((vector_size(8)));
+
+// 8 int8 values as floats (sign-extend, convert: two instructions with AVX2)
+inline v8f load8_i8(const int8_t* p) noexcept {
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  v8f v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+#else
+  v8b b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(__builtin_convertvector(b, v8i), v8f);
+#endif
+}
+
+inline float f16_scale(uint16_t bits) noexcept {
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return f16_to_float(bits);
+#endif
+}
+
+template <>
+struct RowReader<int8_t> {
+  RowReader(int head_dim, int group) noexcept : head_dim(head_dim), groups(head_dim / group), per_group(group / kW) {}
+  template <typename F>
+  void operator()(const int8_t* row, F&& f) const noexcept {
+    for (int k = 0, c = 0; k < groups; ++k) {
+      uint16_t bits;
+      std::memcpy(&bits, row + head_dim + 2 * k, sizeof(bits));
+      const float d = f16_scale(bits);
+      for (const int end = c + per_group; c < end; ++c) f(c, load8_i8(row + c * kW) * d);
+    }
+  }
+  int head_dim, groups, per_group;
+};
+
 // One (sequence, kv head) task over REP of its query heads. q: (REP, hd) unscaled rows; out: (REP, hd).
 // head_dim a multiple of 8, <= kMaxHeadDim (checked by the op); no allocation, nothing thrown.
 template <typename T, int REP>
@@ -61,7 +115,8 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
                  float* out, float* scratch, int g) noexcept {
   constexpr int rep = REP;
   const int hd = dm.head_dim, chunks = hd / kW;
-  const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * hd;
+  const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;  // elements of T per slot
+  const RowReader<T> read(hd, dm.q8_group);
   const int start = dm.window > 0 ? max_of(0, ctx - dm.window) : 0;
   const int n = ctx - start;
   bool valid = ctx >= 1 && static_cast<int64_t>(ctx) <= static_cast<int64_t>(dm.max_blocks) * dm.block_size;
@@ -76,13 +131,12 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
   for (int r = 0; r < rep; ++r)
     for (int c = 0; c < chunks; ++c) qv[r * chunks + c] = load8(q + r * hd + c * kW) * dm.scale;
 
-  const T* kg = kp + static_cast<int64_t>(g) * hd;
-  for_each_slot(dm, table, start, ctx, row_stride, kg, hd * int(sizeof(T)), [&](int t, int64_t row) {
+  const T* kg = kp + static_cast<int64_t>(g) * dm.kv_row;
+  for_each_slot(dm, table, start, ctx, row_stride, kg, dm.kv_row * int(sizeof(T)), [&](int t, int64_t row) {
     v8f acc[rep] = {};
-    for (int c = 0; c < chunks; ++c) {
-      const v8f k = load8(kg + row + c * kW);
+    read(kg + row, [&](int c, v8f k) {
       for (int r = 0; r < rep; ++r) acc[r] += qv[r * chunks + c] * k;
-    }
+    });
     for (int r = 0; r < rep; ++r) s[static_cast<int64_t>(r) * n + (t - start)] = hsum(acc[r]);
   });
 
@@ -105,14 +159,13 @@ void decode_task(const DecodeDims& dm, const float* q, const T* kp, const T* vp,
 
   v8f acc[rep * (kMaxHeadDim / kW)];  // (rep, chunks) output accumulators
   for (int i = 0; i < rep * chunks; ++i) acc[i] = v8f{};
-  const T* vg = vp + static_cast<int64_t>(g) * hd;
-  for_each_slot(dm, table, start, ctx, row_stride, vg, hd * int(sizeof(T)), [&](int t, int64_t row) {
+  const T* vg = vp + static_cast<int64_t>(g) * dm.kv_row;
+  for_each_slot(dm, table, start, ctx, row_stride, vg, dm.kv_row * int(sizeof(T)), [&](int t, int64_t row) {
     float p[rep];
     for (int r = 0; r < rep; ++r) p[r] = s[static_cast<int64_t>(r) * n + (t - start)];
-    for (int c = 0; c < chunks; ++c) {
-      const v8f v = load8(vg + row + c * kW);
+    read(vg + row, [&](int c, v8f v) {
       for (int r = 0; r < rep; ++r) acc[r * chunks + c] += p[r] * v;
-    }
+    });
   });
   for (int r = 0; r < rep; ++r)
     for (int c = 0; c < chunks; ++c) store8(out + r * hd + c * kW, acc[r * chunks + c] * inv_sum[r]);

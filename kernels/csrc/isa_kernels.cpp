@@ -51,6 +51,8 @@ void decode_task(const DecodeDims& dm, Dtype dtype, const float* q, const void* 
                  const int32_t* table, int ctx, float* out, float* scratch, int g) {
   if (dtype == Dtype::float32) {
     decode_heads(dm, q, static_cast<const float*>(kp), static_cast<const float*>(vp), table, ctx, out, scratch, g);
+  } else if (dtype == Dtype::q8) {
+    decode_heads(dm, q, static_cast<const int8_t*>(kp), static_cast<const int8_t*>(vp), table, ctx, out, scratch, g);
   } else if (dtype == Dtype::float16) {
     decode_heads(dm, q, static_cast<const kernel::f16_t*>(kp), static_cast<const kernel::f16_t*>(vp), table, ctx,
                  out, scratch, g);
@@ -64,6 +66,9 @@ void prefill_task(const PrefillDims& dm, Dtype dtype, const float* q, const void
                   const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end) {
   if (dtype == Dtype::float32) {
     kernel::prefill_task(dm, q, static_cast<const float*>(kp), static_cast<const float*>(vp), table, out, scratch, g,
+                         q_begin, q_end);
+  } else if (dtype == Dtype::q8) {
+    kernel::prefill_task(dm, q, static_cast<const int8_t*>(kp), static_cast<const int8_t*>(vp), table, out, scratch, g,
                          q_begin, q_end);
   } else if (dtype == Dtype::float16) {
     kernel::prefill_task(dm, q, static_cast<const kernel::f16_t*>(kp), static_cast<const kernel::f16_t*>(vp), table,

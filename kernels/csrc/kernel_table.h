@@ -8,7 +8,9 @@
 
 namespace metrale {
 
-enum class Dtype : int { float32 = 0, float16 = 1, bfloat16 = 2 };
+// q8: an int8 KV pool whose rows (one per slot and kv head) hold head_dim int8 values, then one float16
+// scale per group of q8_group values (kv_row = head_dim + 2 * head_dim / q8_group bytes): value = int8 * scale.
+enum class Dtype : int { float32 = 0, float16 = 1, bfloat16 = 2, q8 = 3 };
 enum class GatedKind : int { silu = 0, gelu_tanh = 1 };
 
 constexpr int kMaxHeadDim = 256;    // paged decode rejects larger head_dim (stack buffers)
@@ -18,6 +20,8 @@ struct DecodeDims {
   int batch, n_heads, n_kv, head_dim, max_blocks, block_size, window;
   int64_t num_blocks;
   float scale;
+  int kv_row;    // pool elements per (slot, kv head) row: head_dim, or head_dim + 2 * groups bytes for q8
+  int q8_group;  // q8 pools: values per float16 scale (a multiple of 8 dividing head_dim); else 0
 };
 
 // Paged prefill attention (attention_kernel.h): one sequence's chunk of q_len queries at positions
@@ -33,6 +37,8 @@ struct PrefillDims {
   int q_len, n_heads, n_kv, head_dim, max_blocks, block_size, window, first_position;
   int64_t num_blocks;
   float scale;
+  int kv_row;    // as DecodeDims
+  int q8_group;
 };
 
 // floats of scratch one prefill task of `rows` rows needs: queries^T, outputs, widened K and V tiles,

@@ -1,12 +1,16 @@
-// The KvWrite primitive: a pool updated in place (its donated buffer), one memcpy per new row.
+// The KvWrite primitive: a pool updated in place (its donated buffer), one memcpy per new row, or
+// one quantized row per (token, kv head) for q8 pools.
 #include "kv_write.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/types/half_types.h"
 #include "row_major.h"
 
 namespace metrale {
@@ -19,15 +23,51 @@ std::string describe(const mx::array& a) {
   return os.str();
 }
 
+// x (hd,) float32 -> out: hd int8 values, then hd / group float16 scales (little-endian bits). Branch-free
+// per value, so the compiler vectorizes it in the baseline build: q = x * (1 / d) clamped to +-127, then
+// rounded half to even by adding and subtracting 1.5 * 2^23 (exact for |q| < 2^22, as nearbyint, no libm);
+// a NaN becomes 0.
+void quantize_q8_row(const float* x, int hd, int group, int8_t* out) {
+  constexpr float kMagic = 12582912.0f;
+  for (int g0 = 0, k = 0; g0 < hd; g0 += group, ++k) {
+    float amax = 0.0f;
+    for (int i = g0; i < g0 + group; ++i) {
+      const float a = std::fabs(x[i]);
+      amax = a > amax ? a : amax;
+    }
+    const mx::float16_t d16 = static_cast<mx::float16_t>(amax / 127.0f);
+    const float d = static_cast<float>(d16);
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = g0; i < g0 + group; ++i) {
+      float q = x[i] * inv;
+      q = q > 127.0f ? 127.0f : q;
+      q = q < -127.0f ? -127.0f : q;
+      q = q == q ? q : 0.0f;
+      out[i] = static_cast<int8_t>(static_cast<int>((q + kMagic) - kMagic));
+    }
+    std::memcpy(out + hd + 2 * k, &d16, 2);
+  }
+}
+
 }  // namespace
 
+int q8_group(int head_dim, int row_bytes) {
+  const int extra = row_bytes - head_dim;
+  if (head_dim < 8 || extra < 2 || extra % 2 != 0 || head_dim % (extra / 2) != 0) return 0;
+  const int group = head_dim / (extra / 2);
+  return group % 8 == 0 ? group : 0;
+}
+
 mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array& slots) {
-  const bool ok = pool.ndim() == 3 && rows.ndim() == 3 && rows.shape(1) == pool.shape(1) &&
-                  rows.shape(2) == pool.shape(2) && rows.dtype() == pool.dtype() && slots.ndim() == 1 &&
-                  slots.shape(0) == rows.shape(0) && slots.dtype() == mx::int32;
+  const bool q8 = pool.dtype() == mx::int8;
+  const bool shapes = pool.ndim() == 3 && rows.ndim() == 3 && rows.shape(1) == pool.shape(1) && slots.ndim() == 1 &&
+                      slots.shape(0) == rows.shape(0) && slots.dtype() == mx::int32;
+  const bool ok = shapes && (q8 ? rows.dtype() == mx::float32 && q8_group(rows.shape(2), pool.shape(2)) > 0
+                                : rows.shape(2) == pool.shape(2) && rows.dtype() == pool.dtype());
   if (!ok)
-    throw std::invalid_argument("kv_write: pool (S, H, D), rows (T, H, D) of the pool's dtype and slots (T,) int32, "
-                                "got " + describe(pool) + ", " + describe(rows) + ", " + describe(slots));
+    throw std::invalid_argument("kv_write: pool (S, H, D), rows (T, H, D) of the pool's dtype and slots (T,) int32 "
+                                "(an int8 q8 pool: (S, H, D + 2 D / group), float32 rows (T, H, D)), got " +
+                                describe(pool) + ", " + describe(rows) + ", " + describe(slots));
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(s), {pool, rows, slots});
 }
@@ -46,13 +86,22 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const RowMajor old(copy ? pool : mx::array(0), encoder), rin(inputs[1], encoder), sin_(inputs[2], encoder);
   const int64_t num_slots = pool.shape(0), tokens = inputs[1].shape(0);
   const int64_t row_bytes = static_cast<int64_t>(pool.shape(1)) * pool.shape(2) * pool.itemsize();
+  const int heads = pool.shape(1), hd = inputs[1].shape(2), kv_row = pool.shape(2);
+  const int group = pool.dtype() == mx::int8 ? q8_group(hd, kv_row) : 0;
   encoder.dispatch([=, o = out.data<char>(), pool_bytes = static_cast<size_t>(out.nbytes())] {
     if (copy) std::memcpy(o, old.data<char>(), pool_bytes);
-    const char* r = rin.data<char>();
     const int32_t* sp = sin_.data<int32_t>();
+    const char* r = rin.data<char>();  // (T, H, D) of the pool's dtype, or float32 for q8
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t slot = sp[t];
-      if (slot >= 0 && slot < num_slots) std::memcpy(o + slot * row_bytes, r + t * row_bytes, row_bytes);
+      if (slot < 0 || slot >= num_slots) continue;
+      if (group > 0) {
+        const float* x = reinterpret_cast<const float*>(r) + t * heads * hd;
+        for (int h = 0; h < heads; ++h)
+          quantize_q8_row(x + h * hd, hd, group, reinterpret_cast<int8_t*>(o + slot * row_bytes) + h * kv_row);
+      } else {
+        std::memcpy(o + slot * row_bytes, r + t * row_bytes, row_bytes);
+      }
     }
   });
 }

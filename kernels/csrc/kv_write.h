@@ -1,6 +1,10 @@
 // Writing a step's K or V rows into a paged pool as one graph node (MLX's indexed assignment is a
 // scatter plus broadcast and squeeze nodes). One node per pool: an input of a multi-output node is
 // held by every output, so MLX would never let it donate its buffer.
+//
+// An int8 pool is q8 (kernel_table.h): each (slot, kv head) row is head_dim int8 values then one
+// float16 scale per group of `group` values; kv_write quantizes float32 rows as it writes them:
+//   d = float16(max|x| / 127) per group,  q = round_half_even(clamp(x * (1 / d), -127, 127))  (q = 0 when d = 0)
 #pragma once
 
 #include <vector>
@@ -12,9 +16,14 @@ namespace metrale {
 
 namespace mx = mlx::core;
 
-// pool (num_slots, n_kv, hd); rows (T, n_kv, hd) of the pool's dtype; slots (T,) int32. Returns the
-// updated pool: the input pool's buffer when nothing else holds it (the usual case, no copy), else a
-// copy. Slots outside the pool are skipped (callers check them).
+// The q8 group size of an int8 pool row of `row_bytes` bytes holding `head_dim` values: row_bytes =
+// head_dim + 2 * head_dim / group with group a multiple of 8 dividing head_dim; 0 if no group fits.
+int q8_group(int head_dim, int row_bytes);
+
+// pool (num_slots, n_kv, hd) float32|float16|bfloat16 with rows (T, n_kv, hd) of the pool's dtype, or
+// pool (num_slots, n_kv, hd + 2 * hd / group) int8 (q8) with rows (T, n_kv, hd) float32; slots (T,)
+// int32. Returns the updated pool: the input pool's buffer when nothing else holds it (the usual case,
+// no copy), else a copy. Slots outside the pool are skipped (callers check them).
 mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array& slots);
 
 class KvWrite : public mx::UnaryPrimitive {

@@ -5,6 +5,8 @@
 // the ranges first and raises.
 #include "paged_decode.h"
 
+#include "kv_write.h"
+
 #include "isa.h"
 #include "parallel.h"
 #include "row_major.h"
@@ -29,6 +31,7 @@ namespace {
 constexpr int64_t kMinParallelWork = 1 << 14;  // keys x heads below which threads cost more than they save
 
 Dtype kernel_dtype(mx::Dtype dtype) {
+  if (dtype == mx::int8) return Dtype::q8;
   return dtype == mx::float32 ? Dtype::float32 : dtype == mx::float16 ? Dtype::float16 : Dtype::bfloat16;
 }
 
@@ -71,10 +74,14 @@ mx::array paged_decode(const mx::array& queries, const mx::array& k_pool, const 
   if (queries.ndim() != 3) fail("queries must be (B, n_heads, head_dim), got " + shape_str(queries));
   if (k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape())
     fail("pools must both be (num_slots, n_kv_heads, head_dim), got " + shape_str(k_pool) + " and " + shape_str(v_pool));
-  if (k_pool.dtype() != v_pool.dtype() || !mx::issubdtype(k_pool.dtype(), mx::floating) || k_pool.dtype() == mx::float64)
-    fail("pools must share one dtype among float32, float16, bfloat16");
+  const bool q8 = k_pool.dtype() == mx::int8;
+  if (k_pool.dtype() != v_pool.dtype() ||
+      !(q8 || (mx::issubdtype(k_pool.dtype(), mx::floating) && k_pool.dtype() != mx::float64)))
+    fail("pools must share one dtype among float32, float16, bfloat16, int8 (q8)");
   const int B = queries.shape(0), H = queries.shape(1), D = queries.shape(2), KV = k_pool.shape(1);
-  if (k_pool.shape(2) != D) fail("pool head_dim " + std::to_string(k_pool.shape(2)) + " != queries head_dim " + std::to_string(D));
+  if (q8 ? q8_group(D, k_pool.shape(2)) == 0 : k_pool.shape(2) != D)
+    fail("pool rows of " + std::to_string(k_pool.shape(2)) + " elements do not hold head_dim " + std::to_string(D) +
+         (q8 ? " int8 values and their float16 scales" : " values"));
   if (H % KV != 0) fail("n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KV));
   if (block_tables.ndim() != 2 || block_tables.shape(0) != B)
     fail("block_tables must be (B=" + std::to_string(B) + ", max_blocks), got " + shape_str(block_tables));
@@ -109,10 +116,11 @@ void PagedDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
 
-  if (kp.dtype() != mx::float32 && kp.dtype() != mx::float16 && kp.dtype() != mx::bfloat16)
+  if (kp.dtype() != mx::float32 && kp.dtype() != mx::float16 && kp.dtype() != mx::bfloat16 && kp.dtype() != mx::int8)
     throw std::invalid_argument("paged_decode: unsupported pool dtype");
+  const int group = kp.dtype() == mx::int8 ? q8_group(q.shape(2), kp.shape(2)) : 0;
   const DecodeDims dm{q.shape(0), q.shape(1), kp.shape(1), q.shape(2), tables.shape(1), block_size_, window_,
-                      kp.shape(0) / block_size_, scale_};
+                      kp.shape(0) / block_size_, scale_, kp.shape(2), group};
   const RowMajor qin(q, encoder), kin(kp, encoder), vin(vp, encoder), tin(tables, encoder), cin(ctx, encoder);
   encoder.dispatch([=, op = out.data<float>(), dtype = kernel_dtype(kp.dtype())] {
     run_decode(dm, dtype, qin.data<float>(), kin.data<void>(), vin.data<void>(), tin.data<int32_t>(),

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "kernel_table.h"
+#include "attention_kernel.h"
 #include "vecmath.h"
 
 namespace metrale::METRALE_ISA_NS::kernel {
@@ -50,18 +51,18 @@ inline void storev(float* p, V v) {
 }
 
 // Keys [t0, t1) of kv head g widened to float32 rows: kf (KT, hd), vf (KT, hd); rows past t1 are 0.
+// q8 rows are dequantized here (RowReader, attention_kernel.h): the tile is the only float copy.
 template <typename T>
 inline void widen_tile(const PrefillDims& dm, const T* kp, const T* vp, const int32_t* table, int g, int t0,
                        int t1, float* kf, float* vf) noexcept {
   const int hd = dm.head_dim, bs = dm.block_size;
-  const int64_t stride = static_cast<int64_t>(dm.n_kv) * hd;
+  const int64_t stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;  // elements of T per slot
+  const RowReader<T> read(hd, dm.q8_group);
   for (int t = t0; t < t1; ++t) {
     const int j = t - t0;
-    const int64_t row = (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * stride + static_cast<int64_t>(g) * hd;
-    for (int c = 0; c < hd; c += kW) {
-      store8(kf + j * hd + c, load8(kp + row + c));
-      store8(vf + j * hd + c, load8(vp + row + c));
-    }
+    const int64_t row = (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * stride + static_cast<int64_t>(g) * dm.kv_row;
+    read(kp + row, [&](int c, v8f k) { store8(kf + j * hd + c * kW, k); });
+    read(vp + row, [&](int c, v8f v) { store8(vf + j * hd + c * kW, v); });
   }
   fill(kf + (t1 - t0) * hd, kf + KT * hd, 0.0f);
   fill(vf + (t1 - t0) * hd, vf + KT * hd, 0.0f);

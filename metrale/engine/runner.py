@@ -122,13 +122,16 @@ def resolve_dtype(name: str) -> mx.Dtype:
     return _DTYPES[name]
 
 
+_KV_DTYPES = {**_DTYPES, "int8": mx.int8}  # int8: q8 rows (kvcache/quantized.py)
+
+
 def resolve_kv_dtype(name: str, activations: mx.Dtype) -> mx.Dtype:
     """The KV pools' dtype: "auto" is float16 on CPU when the activations are float32, else the
     activations' dtype (GPU unchanged). On CPU the kernels read the 16-bit pools directly; on the default
     model its first-step logits stay within 0.05 of a float32 cache's (measured <= 0.013) with the same
     greedy tokens (tests/metrale/engine/test_kv_cache_dtype.py)."""
     if name != "auto":
-        return _DTYPES[name]
+        return _KV_DTYPES[name]
     if mx.default_device() == mx.cpu and activations == mx.float32:
         return mx.float16
     return activations

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kernels.runtime import mx
 
-from kvcache.attention import AttentionMetadata, DecodeRun
+from kvcache.attention import AttentionMetadata, DecodeRun, gathered_values
 from kvcache.storage import PagedKVCache
 from metrale.models.config import ModelConfig
 from metrale.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
@@ -42,8 +42,12 @@ def softcapped_paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.a
     num_tokens, n_heads, head_dim = queries.shape
     n_kv = k_pool.shape[1]
     rep = n_heads // n_kv
-    flat_k = k_pool.reshape(-1, head_dim)  # (num_slots * n_kv, hd)
-    flat_v = v_pool.reshape(-1, head_dim)
+    flat_k = k_pool.reshape(-1, k_pool.shape[2])  # (num_slots * n_kv, row_width): int8 pools are q8 rows
+    flat_v = v_pool.reshape(-1, v_pool.shape[2])
+
+    def gather(flat: mx.array, rows: mx.array) -> mx.array:  # (..., L, hd) float32
+        return gathered_values(flat[rows], head_dim, mx.float32)
+
     decode_out = None
     if md.num_decode:
         rows, mask = md.cached(("decode", window, n_kv), lambda: md.decode_gather(window, n_kv))  # (B, n_kv, L)
@@ -52,7 +56,7 @@ def softcapped_paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.a
         else:
             decode_q = queries[md.decode_rows]
         q = decode_q.reshape(-1, n_kv, rep, head_dim)  # (B, n_kv, rep, hd)
-        decode_out = _capped_attention(q, flat_k[rows], flat_v[rows], mask, scale, cap).reshape(-1, n_heads, head_dim)
+        decode_out = _capped_attention(q, gather(flat_k, rows), gather(flat_v, rows), mask, scale, cap).reshape(-1, n_heads, head_dim)
     pieces = []
     for piece in md.output_order:
         if isinstance(piece, DecodeRun):
@@ -64,7 +68,7 @@ def softcapped_paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.a
         q = chunk_q.reshape(piece.query_len, n_kv, rep, head_dim).transpose(1, 2, 0, 3)  # (n_kv, rep, q_len, hd)
         q = q.reshape(1, n_kv, rep * piece.query_len, head_dim)
         mask = mx.tile(mask, (rep, 1))  # (rep * q_len, L)
-        out = _capped_attention(q, flat_k[rows], flat_v[rows], mask, scale, cap)  # (1, n_kv, rep * q_len, hd)
+        out = _capped_attention(q, gather(flat_k, rows), gather(flat_v, rows), mask, scale, cap)  # (1, n_kv, rep * q_len, hd)
         out = out.reshape(n_kv, rep, piece.query_len, head_dim).transpose(2, 0, 1, 3)  # (q_len, n_kv, rep, hd)
         pieces.append(out.reshape(piece.query_len, n_heads, head_dim))
     out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)  # (T, n_heads, hd)

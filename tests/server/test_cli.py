@@ -42,6 +42,16 @@ def test_step_time_flags_map_onto_the_scheduler():
         engine_config(_parse("--max-step-factor", "0.5"))
 
 
+@pytest.mark.parametrize("dtype", ["auto", "float32", "float16", "bfloat16", "int8"])
+def test_every_kv_cache_dtype_is_a_flag_value(dtype):
+    assert engine_config(_parse("--kv-cache-dtype", dtype)).kv_cache_dtype == dtype
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(SystemExit):
+        _parse("--kv-cache-dtype", "int4")
+
+
 def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("METRALE_API_KEY", "from-env")
     assert _parse().api_key is None  # the flag's default; the settings fall back to the variable
