@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "activations.h"
+#include "argmax.h"
 #include "causal_softmax.h"
 #include "isa.h"
 #include "kv_write.h"
@@ -85,4 +86,7 @@ NB_MODULE(_kernels, m) {
   m.def("kv_write", &metrale::kv_write, "pool"_a, "rows"_a, "slots"_a,
         "The pool (S, H, D) with rows (T, H, D) written at slots (T,) int32, one node on the CPU stream;\n"
         "in place when nothing else holds the old pool.");
+  m.def("argmax_rows", &metrale::argmax_rows, "x"_a,
+        "mx.argmax(x, axis=-1) for x (..., V) float32 on the CPU stream, threaded: (...) uint32, the first\n"
+        "index of each row's maximum; a NaN counts as the largest value (the first NaN wins).");
 }

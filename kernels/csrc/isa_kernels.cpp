@@ -6,6 +6,7 @@
 #include "kernel_table.h"
 
 #include "activation_kernel.h"
+#include "argmax_kernel.h"
 #include "attention_kernel.h"
 #include "norm_rope_kernel.h"
 #include "prefill_kernel.h"
@@ -97,6 +98,7 @@ const KernelTable* METRALE_CAT(kernel_table_, METRALE_ISA_NS)() {
       isa::prefill_task,
       isa::causal_softmax_rows, isa::kernel::gated,
       isa::kernel::rms_norm_rows, isa::kernel::rope_rows, isa::qmm::quantize, isa::qmm::panels,
+      isa::kernel::argmax_range,
   };
   return &table;
 }

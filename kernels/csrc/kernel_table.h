@@ -88,6 +88,14 @@ struct QmmOut {
   int glu;  // -1: plain; else a GatedKind
 };
 
+// Greedy argmax (argmax_kernel.h): a range of one row's maximum, the index of its first occurrence and the
+// index of the range's first NaN (-1: none), all indices counted from the row's start.
+struct ArgmaxPart {
+  float value;
+  int64_t index;
+  int64_t first_nan;
+};
+
 struct KernelTable {
   const char* isa;
   // paged decode attention: one (sequence, kv head) task (attention_kernel.h)
@@ -113,6 +121,8 @@ struct KernelTable {
   // quantized matmul: panels [p_begin, p_end) (pairs with glu) for tokens [t_begin, t_end) of acts
   void (*qmm_panels)(const QmmWeights& w, const QmmActs& acts, const QmmOut& out, int64_t p_begin, int64_t p_end,
                      int64_t t_begin, int64_t t_end);
+  // greedy argmax over x[begin, end) of one float32 row
+  ArgmaxPart (*argmax_range)(const float* x, int64_t begin, int64_t end);
 };
 
 const KernelTable* kernel_table_scalar();
