@@ -80,6 +80,10 @@ NB_MODULE(_kernels, m) {
   m.def("rms_norm", &metrale::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "weight_offset"_a = 0.0f,
         "RMSNorm of x (..., D) float32 with weight (D,) float32 (+ weight_offset: 1 for gemma's 1 + w),\n"
         "one node on the CPU stream: (x / sqrt(mean(x^2) + eps)) * (weight + weight_offset).");
+  m.def("add_rms_norm", &metrale::add_rms_norm, "x"_a, "residual"_a, "weight"_a, nb::kw_only(), "eps"_a,
+        "weight_offset"_a = 0.0f,
+        "[h, out] for x, residual (..., D) float32 of one shape and weight (D,) float32: h = x + residual and\n"
+        "out = rms_norm(h, weight, eps, weight_offset), one node on the CPU stream (bit for bit the two ops).");
   m.def("rope_qk", &metrale::rope_qk, "q"_a, "k"_a, "cos"_a, "sin"_a, nb::kw_only(), "traditional"_a = false,
         "RoPE of q (T, Hq, D) and k (T, Hk, D) float32 by per-token cos / sin (T, D / 2), one node on the\n"
         "CPU stream: [q, k] rotated (half-split pairs, or interleaved ones when traditional).");

@@ -123,6 +123,9 @@ struct KernelTable {
                      int64_t t_begin, int64_t t_end);
   // greedy argmax over x[begin, end) of one float32 row
   ArgmaxPart (*argmax_range)(const float* x, int64_t begin, int64_t end);
+  // rows [r0, r1): h = x + residual, then out = RMSNorm(h) as rms_norm_rows (norm_rope_kernel.h)
+  void (*add_rms_norm_rows)(const float* x, const float* residual, const float* w, float* h, float* out, int64_t r0,
+                            int64_t r1, int D, float eps, float w_offset);
 };
 
 const KernelTable* kernel_table_scalar();
