@@ -23,6 +23,7 @@ Times, for the default model (or --model), `--batch` decodes of `--context` toke
                  gather of the sampled rows), argmax (the sampler's, on (batch, vocab) float32)
   other_ms       step_ms - matmul_ms - attention_ms - sum(ops_ms): what no part above explains
                  (MLX's scheduling between nodes, the cache misses a node meets in the real graph)
+  --ab           instead: step_ms with this branch's decode fusions on / off, alternated (best, median)
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from kernels import ext  # noqa: E402
-from kernels.argmax import argmax_fn  # noqa: E402
+from kernels.sampling import argmax_fn  # noqa: E402
+from kernels.norm_rope import RMSNorm  # noqa: E402
 from kernels.backend import attention_backend, select_backends  # noqa: E402
 from kernels.qmm import QuantizedEmbeddingCPU, QuantizedLinearCPU  # noqa: E402
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
 from metrale.config import EngineConfig  # noqa: E402
 from metrale.engine.runner import ModelRunner, SamplingRow, StepInput  # noqa: E402
+from metrale.sampling.sampler import Sampler  # noqa: E402
 from metrale.sampling_params import SamplingParams  # noqa: E402
 from scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 
@@ -179,11 +182,37 @@ def attention_only(runner: ModelRunner, batch: int, context: int, repeats: int) 
     mc = runner.model_config
     md = decode_metadata(runner, batch, context)
     q = mx.random.normal((batch, mc.num_attention_heads, mc.head_dim))
-    k, v = runner.kv_cache.layer(0)
+    pools = [runner.kv_cache.layer(i) for i in range(mc.num_hidden_layers)]  # each layer's own: read from DRAM
 
     def run():
-        mx.eval([paged_attention(q, k, v, md, mc.head_dim ** -0.5) for _ in range(mc.num_hidden_layers)])
+        mx.eval([paged_attention(q, k, v, md, mc.head_dim ** -0.5) for k, v in pools])
     return best_of(run, repeats)
+
+
+def set_decode_fusions(runner: ModelRunner, on: bool) -> None:
+    """Turn this branch's decode-step fusions on or off in a loaded runner (for --ab): the threaded argmax
+    (kernels.sampling) and the residual add fused into the next RMSNorm (RMSNorm.add_and_norm); off is
+    the graph of before (mx.argmax; an Add node, then the norm)."""
+    runner.sampler = Sampler(runner.model_config.vocab_size, eos_token_ids=runner.sampler.eos_token_ids, seed=0,
+                             backend=runner.backends.activations if on else "reference")
+    for _, module in runner.model.named_modules():
+        if isinstance(module, RMSNorm):
+            module._fused_add = on and module._kernel and ext.load() is not None
+
+
+def ab_steps(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, float]:
+    """step_ms with the fusions on and off, alternated in one run (a shared machine drifts): best and median."""
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(2 * (repeats + 1)):
+        which = "on" if i % 2 == 0 else "off"
+        set_decode_fusions(runner, which == "on")
+        start = time.perf_counter()
+        runner.execute(step)
+        if i >= 2:  # the first pair warms up
+            times[which].append((time.perf_counter() - start) * 1e3)
+    set_decode_fusions(runner, True)
+    return {f"{stat}_{which}_ms": round(fn(sorted(values)), 2) for which, values in times.items()
+            for stat, fn in (("best", lambda v: v[0]), ("median", lambda v: v[len(v) // 2]))}
 
 
 def main() -> None:
@@ -193,10 +222,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="EngineConfig.dtype: auto (quantized kernels) or float32")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--model", default=None, help="a GGUF file or model id (default: EngineConfig's)")
+    parser.add_argument("--ab", action="store_true",
+                        help="only step_ms with the decode fusions on and off, alternated (set_decode_fusions)")
     args = parser.parse_args()
     model = {"model": args.model} if args.model else {}
     runner = ModelRunner.load(EngineConfig(kv_cache_bytes=512 << 20, dtype=args.dtype, **model))
     step = decode_step(runner, args.batch, args.context)
+    if args.ab:
+        print(json.dumps({"model": args.model or "default", "batch": args.batch, "context": args.context,
+                          **ab_steps(runner, step, args.repeat)}))
+        return
     full = best_of(lambda: runner.execute(step), args.repeat)
     parts = phases(runner, step, args.repeat)
     bound = matmul_bound(runner, args.batch, args.repeat)

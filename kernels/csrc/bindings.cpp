@@ -5,7 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "activations.h"
-#include "argmax.h"
+#include "sampling.h"
 #include "causal_softmax.h"
 #include "isa.h"
 #include "kv_write.h"
@@ -93,4 +93,7 @@ NB_MODULE(_kernels, m) {
   m.def("argmax_rows", &metrale::argmax_rows, "x"_a,
         "mx.argmax(x, axis=-1) for x (..., V) float32 on the CPU stream, threaded: (...) uint32, the first\n"
         "index of each row's maximum; a NaN counts as the largest value (the first NaN wins).");
+  m.def("sample_full_rows", &metrale::sample_full_rows, "logits"_a, "scale"_a, "log2_min_p"_a, "uniforms"_a,
+        "One token per row of logits (R, V) float32 by the inverse CDF of 2^((x - max) * scale) (0 below\n"
+        "log2_min_p) at the row's uniform; scale, log2_min_p, uniforms (R,) float32. Returns (R,) int32.");
 }

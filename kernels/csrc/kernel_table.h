@@ -88,7 +88,7 @@ struct QmmOut {
   int glu;  // -1: plain; else a GatedKind
 };
 
-// Greedy argmax (argmax_kernel.h): a range of one row's maximum, the index of its first occurrence and the
+// Greedy argmax (sampling_kernel.h): a range of one row's maximum, the index of its first occurrence and the
 // index of the range's first NaN (-1: none), all indices counted from the row's start.
 struct ArgmaxPart {
   float value;
@@ -123,6 +123,9 @@ struct KernelTable {
                      int64_t t_begin, int64_t t_end);
   // greedy argmax over x[begin, end) of one float32 row
   ArgmaxPart (*argmax_range)(const float* x, int64_t begin, int64_t end);
+  // one row x (V,) float32 sampled at a temperature by the inverse CDF at u (sampling_kernel.h); scratch holds
+  // (V + 63) / 64 floats
+  int32_t (*sample_full_row)(const float* x, int64_t V, float scale, float log2_min_p, float u, float* scratch);
   // rows [r0, r1): h = x + residual, then out = RMSNorm(h) as rms_norm_rows (norm_rope_kernel.h)
   void (*add_rms_norm_rows)(const float* x, const float* residual, const float* w, float* h, float* out, int64_t r0,
                             int64_t r1, int D, float eps, float w_offset);

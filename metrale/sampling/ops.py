@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 
 from kernels.runtime import mx
+from kernels.sampling import SampleFull
 from metrale.sampling.batch import LogitBias, Penalties, RandomGroup, index_array
 
 
@@ -58,10 +59,14 @@ def _argmax_last(x: mx.array) -> mx.array:
     return mx.argmax(x, axis=-1)
 
 
-def sample_full(x: mx.array, group: RandomGroup, argmax: Callable[[mx.array], mx.array] = _argmax_last) -> mx.array:
+def sample_full(x: mx.array, group: RandomGroup, argmax: Callable[[mx.array], mx.array] = _argmax_last,
+                kernel: SampleFull | None = None) -> mx.array:
     """Temperature (+ min_p) rows: inverse CDF over the whole vocabulary. Returns (R,) int32.
-    `argmax`: (R, V) -> (R,), as mx.argmax(x, axis=-1) (the sampler passes kernels.argmax's)."""
+    `argmax`: (R, V) -> (R,), as mx.argmax(x, axis=-1); `kernel`: kernels.sampling's one-node version of
+    the same arithmetic (float32 logits), where the sampler has it."""
     logits = select(x, group.rows)  # (R, V); temperature folds into `scale`: no (R, V) division
+    if kernel is not None and logits.dtype == mx.float32:
+        return kernel(logits, group.scale.reshape(-1), group.log2_min_p.reshape(-1), group.uniforms)  # (R,)
     mode = argmax(logits)  # (R,)
     log2_q = (logits - mx.take_along_axis(logits, mode[:, None], axis=-1)) * group.scale  # (R, V), <= 0
     if group.any_min_p:

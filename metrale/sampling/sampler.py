@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.argmax import argmax_fn
+from kernels.sampling import argmax_fn, sample_full_fn
 from kernels.runtime import mx
 from metrale.outputs import TokenLogprob
 from metrale.sampling import ops
@@ -62,11 +62,13 @@ class Sampler:
                  backend: str | None = None) -> None:
         """`eos_token_ids` (with each row's stop_token_ids) are banned until the row has min_tokens
         output tokens, unless it ignores eos; `seed` seeds the unseeded rows' generator. `backend` ("kernel"
-        | "reference", None: kernels.backend.activation_backend()) picks the greedy argmax (kernels.argmax)."""
+        | "reference", None: kernels.backend.activation_backend()) picks the argmax and the full-vocabulary sampling
+        (kernels.sampling) or MLX's ops."""
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._builder = BatchBuilder(vocab_size, self.eos_token_ids, seed)
         self._argmax = argmax_fn(backend)  # (..., V) -> (...) uint32, as mx.argmax(x, axis=-1)
+        self._sample_full = sample_full_fn(backend)  # None: the MLX ops of ops.sample_full
 
     def prepare(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
         """Per-row Python params -> the step's arrays and host-side row groups (metrale.sampling.batch);
@@ -92,7 +94,7 @@ class Sampler:
         if batch.num_greedy:
             parts.append(self._argmax(ops.select(x, batch.greedy_rows)).astype(mx.int32))  # (G,)
         if batch.full is not None:
-            parts.append(ops.sample_full(x, batch.full, self._argmax))  # (F,)
+            parts.append(ops.sample_full(x, batch.full, self._argmax, self._sample_full))  # (F,)
         if batch.candidates is not None:
             parts.append(ops.sample_candidates(x, batch.candidates, self.vocab_size))  # (C,)
         tokens = mx.concatenate(parts) if len(parts) > 1 else parts[0]  # (S,) in group order

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.argmax import has_argmax_kernel
+from kernels.sampling import has_argmax_kernel
 from metrale.sampling.sampler import TOP_P_CANDIDATES, Sampler, seeded_bits
 from metrale.sampling_params import SamplingParams
 

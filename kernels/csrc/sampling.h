@@ -1,6 +1,6 @@
 // Greedy argmax of logits on the CPU, threaded: MLX's CPU argmax runs on one thread, ~10 ms for the
 // 32 x 128256 logits of a 1B-shaped model's decode step. Same answer as mx.argmax(x, axis=-1)
-// (argmax_kernel.h states the ties and NaN rules).
+// (sampling_kernel.h states the ties and NaN rules).
 #pragma once
 
 #include <vector>
@@ -14,6 +14,23 @@ namespace mx = mlx::core;
 
 // x (..., V) float32, V >= 1 -> (...) uint32: the index of each row's maximum (mx.argmax's dtype).
 mx::array argmax_rows(const mx::array& x);
+
+// logits (R, V) float32, scale, log2_min_p, uniforms (R,) float32 -> (R,) int32 tokens.
+mx::array sample_full_rows(const mx::array& logits, const mx::array& scale, const mx::array& log2_min_p,
+                           const mx::array& uniforms);
+
+class SampleFullRows : public mx::UnaryPrimitive {
+ public:
+  explicit SampleFullRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "SampleFullRowsCPU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0)}};
+  }
+};
 
 class ArgmaxRows : public mx::UnaryPrimitive {
  public:

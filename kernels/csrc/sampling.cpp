@@ -1,12 +1,13 @@
 // The ArgmaxRows primitive: rows x vocabulary split into tasks over the kernel pool, each task one
-// range of one row (argmax_kernel.h); the ranges of a row are combined in order on the calling thread.
-#include "argmax.h"
+// range of one row (sampling_kernel.h); the ranges of a row are combined in order on the calling thread.
+#include "sampling.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "isa.h"
 #include "mlx/allocator.h"
@@ -79,6 +80,43 @@ void ArgmaxRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     for (int64_t r = 0; r < rows; ++r)
       o[r] = static_cast<uint32_t>(combine(parts.data() + r * per_row, static_cast<int>(per_row)).index);
   });
+}
+
+mx::array sample_full_rows(const mx::array& logits, const mx::array& scale, const mx::array& log2_min_p,
+                           const mx::array& uniforms) {
+  const bool ok = logits.ndim() == 2 && logits.shape(1) >= 1 && logits.dtype() == mx::float32;
+  bool rows_ok = true;
+  for (const auto* a : {&scale, &log2_min_p, &uniforms})
+    rows_ok = rows_ok && a->ndim() == 1 && ok && a->shape(0) == logits.shape(0) && a->dtype() == mx::float32;
+  if (!ok || !rows_ok)
+    throw std::invalid_argument("sample_full_rows: logits (R, V) with V >= 1 and scale, log2_min_p, uniforms (R,), all "
+                                "float32, got " + describe(logits) + ", " + describe(scale) + ", " +
+                                describe(log2_min_p) + ", " + describe(uniforms));
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({logits.shape(0)}, mx::int32, std::make_shared<SampleFullRows>(s),
+                   {logits, scale, log2_min_p, uniforms});
+}
+
+void SampleFullRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const RowMajor xin(inputs[0], encoder), sin_(inputs[1], encoder), pin(inputs[2], encoder), uin(inputs[3], encoder);
+  const int64_t rows = inputs[0].shape(0), V = inputs[0].shape(1);
+  encoder.dispatch([xin, sin_, pin, uin, o = out.data<int32_t>(), rows, V] {
+    const auto& kernels = cpu_kernels();
+    const float *xp = xin.data<float>(), *sp = sin_.data<float>(), *pp = pin.data<float>(), *up = uin.data<float>();
+    const int width = rows * V < kMinParallelElements ? 1 : static_cast<int>(std::min<int64_t>(num_threads(), rows));
+    std::vector<std::vector<float>> scratch(width, std::vector<float>((V + 63) / 64));
+    parallel_for(static_cast<int>(rows), width, [&](int row, int me) {
+      o[row] = kernels.sample_full_row(xp + row * V, V, sp[row], pp[row], up[row], scratch[me].data());
+    });
+  });
+}
+
+void SampleFullRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("sample_full_rows: CPU only; GPU streams use metrale.sampling.ops");
 }
 
 void ArgmaxRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kernels import ext as _ext
-from kernels.argmax import argmax_fn
+from kernels.sampling import argmax_fn
 
 kernel = _ext.load()
 needs_kernel = pytest.mark.skipif(kernel is None or not hasattr(kernel, "argmax_rows"),
@@ -70,3 +70,55 @@ def test_validation_and_fallback():
 def test_reference_backend_is_mx_argmax():
     x = mx.array([[1.0, NAN, 3.0], [2.0, 5.0, 5.0]])
     assert argmax_fn("reference")(x).tolist() == mx.argmax(x, axis=-1).tolist() == [1, 1]
+
+
+def reference_token(x: np.ndarray, scale: float, log2_min_p: float, u: float) -> tuple[int, float]:
+    """The inverse CDF in float64: (token, u's distance to the nearest interval edge, relative to the total)."""
+    y = (x.astype(np.float64) - x.max()) * scale
+    q = np.where(y >= max(log2_min_p, -126.0), np.exp2(y), 0.0)
+    cdf = np.cumsum(q)
+    token = int(np.searchsorted(cdf, u * cdf[-1], side="left"))
+    return token, float(np.min(np.abs(cdf - u * cdf[-1])) / cdf[-1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 7, 64, 1000, 128256])
+@pytest.mark.parametrize("min_p", [0.0, 0.05])
+def test_sample_full_rows_is_the_inverse_cdf(isa, vocab, min_p):
+    rng = np.random.default_rng(vocab)
+    rows = 24
+    x = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    scale = (1.4426950408889634 / rng.uniform(0.3, 2.0, rows)).astype(np.float32)  # log2(e) / temperature
+    log2_min_p = np.full(rows, np.log2(min_p) if min_p else -np.inf, dtype=np.float32)
+    uniforms = rng.uniform(0.001, 0.999, rows).astype(np.float32)
+    got = kernel.sample_full_rows(mx.array(x), mx.array(scale), mx.array(log2_min_p), mx.array(uniforms))
+    assert got.dtype == mx.int32 and got.shape == (rows,)
+    for r, token in enumerate(got.tolist()):
+        want, margin = reference_token(x[r], float(scale[r]), float(log2_min_p[r]), float(uniforms[r]))
+        assert token == want or margin < 1e-5, (r, token, want, margin)
+        assert (x[r, token] - x[r].max()) * scale[r] >= log2_min_p[r]  # never below the min_p floor
+
+
+@needs_kernel
+def test_sample_full_rows_is_batch_invariant_and_handles_non_finite_rows(isa):
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((6, 3000)) * 2).astype(np.float32)
+    x[1, 17] = NAN  # a NaN maximum: the mode (its index), as the MLX path's fallback
+    x[2, 2999] = INF
+    x[3, 5] = NAN  # a NaN below a finite maximum... is the argmax too (NaN wins): the mode
+    x[4, :] = -INF  # no mass at all: the mode, index 0
+    scale, floor, uniforms = (mx.full((6,), 1.44), mx.full((6,), -INF), mx.array(rng.uniform(0, 1, 6).astype(np.float32)))
+    batch = kernel.sample_full_rows(mx.array(x), scale, floor, uniforms).tolist()
+    assert batch[1:5] == [17, 2999, 5, 0]
+    for r in range(6):
+        alone = kernel.sample_full_rows(mx.array(x[r:r + 1]), scale[r:r + 1], floor[r:r + 1], uniforms[r:r + 1])
+        assert alone.tolist() == [batch[r]]
+
+
+@needs_kernel
+def test_sample_full_rows_validation():
+    ones = mx.ones((2,))
+    with pytest.raises(ValueError, match="float32"):
+        kernel.sample_full_rows(mx.zeros((2, 5), dtype=mx.float16), ones, ones, ones)
+    with pytest.raises(ValueError, match=r"\(R,\)"):
+        kernel.sample_full_rows(mx.zeros((2, 5)), mx.ones((3,)), ones, ones)
