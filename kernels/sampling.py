@@ -14,6 +14,9 @@ full-vocabulary sampling (sample_full_fn): metrale.sampling.ops.sample_full's ar
 mass is summed in another order (blocks of 64, see kernels/csrc/sampling_kernel.h), so a uniform that
 falls within float rounding of a token boundary may pick the neighbour; NaN logits get no mass.
 
+logsumexp (logsumexp_fn): the raw logprobs' normalizer per row, vectorized: ~60 ms of MLX ops at (32, 128256)
+-> ~1-2 ms; within float32 rounding of MLX's (a NaN where the row's maximum is not finite, as MLX's).
+
 Chosen once, like the other kernels (kernels.backend.activation_backend, METRALE_KERNELS): "kernel" on CPU
 with an extension that has them; float32 logits only (other dtypes, a GPU, the reference backend and an
 older build run the MLX ops).
@@ -27,7 +30,7 @@ from kernels import ext
 from kernels.backend import activation_backend
 from kernels.runtime import mx
 
-__all__ = ["argmax_fn", "has_argmax_kernel", "sample_full_fn"]
+__all__ = ["argmax_fn", "has_argmax_kernel", "logsumexp_fn", "sample_full_fn"]
 
 Argmax = Callable[[mx.array], mx.array]
 # logits (R, V) float32, scale (R,), log2_min_p (R,), uniforms (R,) float32 -> tokens (R,) int32
@@ -66,3 +69,23 @@ def sample_full_fn(backend: str | None = None) -> SampleFull | None:
     backend = activation_backend() if backend is None else backend
     module = ext.load() if backend == "kernel" else None
     return getattr(module, "sample_full_rows", None) if module is not None else None
+
+
+def _reference_logsumexp(x: mx.array) -> mx.array:
+    top = x.max(axis=-1, keepdims=True)  # (R, 1)
+    return (top + mx.log(mx.exp(x - top).sum(axis=-1, keepdims=True)))[:, 0]  # (R,)
+
+
+def logsumexp_fn(backend: str | None = None) -> Callable[[mx.array], mx.array]:
+    """x (R, V) -> (R,) float32 log(sum(exp(x))) per row: the kernel on float32 input where the backend
+    has it, else MLX's ops."""
+    backend = activation_backend() if backend is None else backend
+    module = ext.load() if backend == "kernel" else None
+    kernel = getattr(module, "logsumexp_rows", None) if module is not None else None
+    if kernel is None:
+        return _reference_logsumexp
+
+    def logsumexp(x: mx.array) -> mx.array:
+        return kernel(x) if x.dtype == mx.float32 and x.ndim == 2 and x.shape[-1] >= 1 else _reference_logsumexp(x)
+
+    return logsumexp

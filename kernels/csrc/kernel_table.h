@@ -126,6 +126,8 @@ struct KernelTable {
   // one row x (V,) float32 sampled at a temperature by the inverse CDF at u (sampling_kernel.h); scratch holds
   // (V + 63) / 64 floats
   int32_t (*sample_full_row)(const float* x, int64_t V, float scale, float log2_min_p, float u, float* scratch);
+  // log(sum(exp(x))) of one row x (V,) float32 (sampling_kernel.h)
+  float (*logsumexp_row)(const float* x, int64_t V);
   // rows [r0, r1): h = x + residual, then out = RMSNorm(h) as rms_norm_rows (norm_rope_kernel.h)
   void (*add_rms_norm_rows)(const float* x, const float* residual, const float* w, float* h, float* out, int64_t r0,
                             int64_t r1, int D, float eps, float w_offset);

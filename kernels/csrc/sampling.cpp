@@ -115,6 +115,32 @@ void SampleFullRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   });
 }
 
+mx::array logsumexp_rows(const mx::array& x) {
+  if (x.ndim() != 2 || x.shape(1) < 1 || x.dtype() != mx::float32)
+    throw std::invalid_argument("logsumexp_rows: x (R, V) float32 with V >= 1, got " + describe(x));
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({x.shape(0)}, mx::float32, std::make_shared<LogsumexpRows>(s), {x});
+}
+
+void LogsumexpRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_output_array(out);
+  const RowMajor xin(inputs[0], encoder);
+  const int64_t rows = inputs[0].shape(0), V = inputs[0].shape(1);
+  encoder.dispatch([xin, o = out.data<float>(), rows, V] {
+    const auto& kernels = cpu_kernels();
+    const float* xp = xin.data<float>();
+    const int width = rows * V < kMinParallelElements ? 1 : static_cast<int>(std::min<int64_t>(num_threads(), rows));
+    parallel_for(static_cast<int>(rows), width, [&](int row, int) { o[row] = kernels.logsumexp_row(xp + row * V, V); });
+  });
+}
+
+void LogsumexpRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("logsumexp_rows: CPU only; GPU streams use metrale.sampling.logprobs");
+}
+
 void SampleFullRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("sample_full_rows: CPU only; GPU streams use metrale.sampling.ops");
 }

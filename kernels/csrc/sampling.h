@@ -19,6 +19,22 @@ mx::array argmax_rows(const mx::array& x);
 mx::array sample_full_rows(const mx::array& logits, const mx::array& scale, const mx::array& log2_min_p,
                            const mx::array& uniforms);
 
+// x (R, V) float32 -> (R,) float32: log(sum(exp(x))) per row (the raw logprobs' normalizer).
+mx::array logsumexp_rows(const mx::array& x);
+
+class LogsumexpRows : public mx::UnaryPrimitive {
+ public:
+  explicit LogsumexpRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "LogsumexpRowsCPU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0)}};
+  }
+};
+
 class SampleFullRows : public mx::UnaryPrimitive {
  public:
   explicit SampleFullRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}

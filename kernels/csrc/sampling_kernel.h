@@ -139,4 +139,26 @@ inline int32_t sample_full_row(const float* x, int64_t V, float scale, float log
   return mode;
 }
 
+// logsumexp_row: log(sum(exp(x))) of one row as m + log(sum(exp(x - m))), m its maximum (the raw logprobs'
+// normalizer); NaN when the maximum is not finite (a NaN, +inf or a row of -inf: as MLX's expression).
+// exp is the Cephes polynomial (~2 ulp), 0 below -87 (MLX: ~1e-38 at most, nothing at float32 precision).
+inline float logsumexp_row(const float* x, int64_t V) {
+  const float m = argmax_range(x, 0, V).value;
+  if (!(m - m == 0.0f)) return __builtin_nanf("");
+  double sum = 0.0;  // blocks of 512 values summed in 8 float lanes, the blocks in double: ~1e-7 relative
+  int64_t i = 0;
+  while (i + kW <= V) {
+    v8f acc = {};
+    for (const int64_t end = min_of(V, i + 512); i + kW <= end; i += kW) {
+      v8f v;
+      std::memcpy(&v, x + i, sizeof(v));
+      const v8f y = v - m;
+      acc += y < -87.0f ? v8f{} : exp8(y);
+    }
+    sum += hsum(acc);
+  }
+  for (; i < V; ++i) sum += x[i] - m < -87.0f ? 0.0f : __builtin_expf(x[i] - m);
+  return m + static_cast<float>(__builtin_log(sum));
+}
+
 }  // namespace metrale::METRALE_ISA_NS::kernel

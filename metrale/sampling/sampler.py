@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.sampling import argmax_fn, sample_full_fn
+from kernels.sampling import argmax_fn, logsumexp_fn, sample_full_fn
 from kernels.runtime import mx
 from metrale.outputs import TokenLogprob
 from metrale.sampling import ops
@@ -69,6 +69,7 @@ class Sampler:
         self._builder = BatchBuilder(vocab_size, self.eos_token_ids, seed)
         self._argmax = argmax_fn(backend)  # (..., V) -> (...) uint32, as mx.argmax(x, axis=-1)
         self._sample_full = sample_full_fn(backend)  # None: the MLX ops of ops.sample_full
+        self._logsumexp = logsumexp_fn(backend)  # (L, V) -> (L,), the raw logprobs' normalizer
 
     def prepare(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
         """Per-row Python params -> the step's arrays and host-side row groups (metrale.sampling.batch);
@@ -102,7 +103,7 @@ class Sampler:
             tokens = tokens[batch.inverse_order]  # (S,) in row order
         if not batch.logprob_rows:
             return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
-        arrays = logprob_arrays(logits, tokens, batch)
+        arrays = logprob_arrays(logits, tokens, batch, self._logsumexp)
         mx.eval(tokens, *arrays)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, logprob_lists(batch, token_ids, *arrays))

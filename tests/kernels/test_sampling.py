@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kernels import ext as _ext
-from kernels.sampling import argmax_fn
+from kernels.sampling import argmax_fn, logsumexp_fn
 
 kernel = _ext.load()
 needs_kernel = pytest.mark.skipif(kernel is None or not hasattr(kernel, "argmax_rows"),
@@ -122,3 +122,26 @@ def test_sample_full_rows_validation():
         kernel.sample_full_rows(mx.zeros((2, 5), dtype=mx.float16), ones, ones, ones)
     with pytest.raises(ValueError, match=r"\(R,\)"):
         kernel.sample_full_rows(mx.zeros((2, 5)), mx.ones((3,)), ones, ones)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (32, 128256), (5, 1003)])
+def test_logsumexp_rows_matches_mlx(isa, shape):
+    x = mx.array((np.random.default_rng(shape[1]).standard_normal(shape) * 4).astype(np.float32))
+    got = kernel.logsumexp_rows(x)
+    assert got.shape == (shape[0],) and got.dtype == mx.float32
+    exact = np.log(np.exp(np.array(x).astype(np.float64)).sum(axis=-1))
+    np.testing.assert_allclose(np.array(got), exact, rtol=1e-6, atol=1e-6)
+    # MLX sums 128k float32 values less exactly (~1e-5 relative here): the kernel is the closer one
+    np.testing.assert_allclose(np.array(got), np.array(mx.logsumexp(x, axis=-1)), rtol=5e-5, atol=5e-5)
+
+
+@needs_kernel
+def test_logsumexp_rows_special_rows_and_fallback():
+    x = mx.array([[0.0, -INF, 3.0], [-INF, -INF, -INF], [1.0, NAN, 2.0], [INF, 0.0, 1.0]])
+    got = np.array(kernel.logsumexp_rows(x))
+    assert np.isclose(got[0], np.log(1 + np.exp(3.0))) and np.isnan(got[1:]).all()
+    with pytest.raises(ValueError, match="float32"):
+        kernel.logsumexp_rows(mx.zeros((2, 3), dtype=mx.float16))
+    half = mx.array([[0.0, 1.0]], dtype=mx.float16)
+    assert np.isclose(logsumexp_fn("kernel")(half).item(), np.log(1 + np.e), atol=1e-2)  # MLX's ops
