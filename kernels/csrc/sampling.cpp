@@ -1,5 +1,7 @@
-// The ArgmaxRows primitive: rows x vocabulary split into tasks over the kernel pool, each task one
-// range of one row (sampling_kernel.h); the ranges of a row are combined in order on the calling thread.
+// The sampling primitives (sampling_kernel.h has the row arithmetic). ArgmaxRows: rows x vocabulary split
+// into tasks over the kernel pool, each task one range of one row; the ranges of a row are combined in
+// order on the calling thread. SampleFullRows and LogsumexpRows: one task per row (a row's result never
+// depends on the others).
 #include "sampling.h"
 
 #include <algorithm>

@@ -1,7 +1,8 @@
 // Sampling rows of float32 logits, for the primitives of sampling.cpp.
 //
-// argmax_range: greedy argmax over a range of one row. Exactly mx.argmax's answer (mlx 0.32, CPU): the first index of the largest value; -0.0 ties +0.0; a
-// row of -inf gives its first index; a NaN beats every number and the FIRST NaN wins.
+// argmax_range: greedy argmax over a range of one row. Exactly mx.argmax's answer (mlx 0.32, CPU): the
+// first index of the largest value; -0.0 ties +0.0; a row of -inf gives its first index; a NaN beats
+// every number and the FIRST NaN wins.
 // 16 lanes as GCC vector extensions: one AVX-512 register in the avx512 build, two AVX2 registers in
 // the avx2 build, SSE pairs in the baseline build. Each lane keeps its own first maximum (strict >),
 // so the lowest index among the lanes holding the maximum is the row's first one. NaN never passes
