@@ -15,6 +15,15 @@ Times, for the default model (or --model), `--batch` decodes of `--context` toke
                  float32 weights), as one evaluation: the matmul-only bound
   attention_ms   paged attention alone for all layers
   graph_nodes    arrays in the evaluated graph (mx.export_to_dot), a proxy for MLX's per-op cost
+  node_kinds     the evaluated graph's primitives by name and count
+  ops_ms         the step's other op kinds alone, each as many calls as one step makes, on the step's
+                 shapes, each kind as one evaluation (its MLX dispatch included): rms_norm (2 per
+                 layer + 1), residual add (2 per layer), rope (tables once + 1 rotation per layer),
+                 kv_write (K and V per layer, cast to the pool dtype included), logits_rows (the
+                 gather of the sampled rows), argmax (the sampler's, on (batch, vocab) float32)
+  other_ms       step_ms - matmul_ms - attention_ms - sum(ops_ms): what no part above explains
+                 (MLX's scheduling between nodes, the cache misses a node meets in the real graph)
+  --ab           instead: step_ms with this branch's decode fusions on / off, alternated (best, median)
 """
 
 from __future__ import annotations
@@ -32,11 +41,14 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from kernels import ext  # noqa: E402
+from kernels.sampling import argmax_fn  # noqa: E402
+from kernels.norm_rope import RMSNorm  # noqa: E402
 from kernels.backend import attention_backend, select_backends  # noqa: E402
 from kernels.qmm import QuantizedEmbeddingCPU, QuantizedLinearCPU  # noqa: E402
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
 from metrale.config import EngineConfig  # noqa: E402
 from metrale.engine.runner import ModelRunner, SamplingRow, StepInput  # noqa: E402
+from metrale.sampling.sampler import Sampler  # noqa: E402
 from metrale.sampling_params import SamplingParams  # noqa: E402
 from scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 
@@ -87,7 +99,7 @@ def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, floa
     return best
 
 
-def graph_nodes(runner: ModelRunner, step: StepInput) -> int:
+def graph_nodes(runner: ModelRunner, step: StepInput) -> tuple[int, dict[str, int]]:
     scheduled = step.scheduler_output.scheduled
     metadata = AttentionMetadata.build([1] * len(scheduled), [s.start_position + 1 for s in scheduled],
                                        [s.block_table for s in scheduled], runner.kv_cache.block_size)
@@ -98,7 +110,53 @@ def graph_nodes(runner: ModelRunner, step: StepInput) -> int:
         mx.export_to_dot(path, logits, *runner._pools())
         text = open(path).read()
     mx.eval(logits, runner._pools())
-    return len(re.findall(r"^\s*\{?\s*\S+ \[label", text, flags=re.M))
+    kinds: dict[str, int] = {}
+    for label in re.findall(r'^\s*\{?\s*\S+ \[label\s*=\s*"([^"\s]*)', text, flags=re.M):
+        kinds[label] = kinds.get(label, 0) + 1
+    return sum(kinds.values()), dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def decode_metadata(runner: ModelRunner, batch: int, context: int) -> AttentionMetadata:
+    bs = runner.kv_cache.block_size
+    blocks = -(-(context + 1) // bs)
+    return AttentionMetadata.build([1] * batch, [context + 1] * batch,
+                                   [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)], bs)
+
+
+def op_costs(runner: ModelRunner, batch: int, context: int, repeats: int) -> dict[str, float]:
+    """ms per step of each non-matmul, non-attention op kind of a llama-family decode step (see the
+    module docstring), each kind with as many calls as one step has, evaluated as one graph."""
+    model = runner.model.model
+    mc = runner.model_config
+    layers = mc.num_hidden_layers
+    dim, vocab = mc.hidden_size, mc.vocab_size
+    x = mx.random.normal((batch, dim))
+    q = mx.random.normal((batch, mc.num_attention_heads, mc.head_dim))
+    k = mx.random.normal((batch, mc.num_key_value_heads, mc.head_dim))
+    hidden = mx.random.normal((batch, dim))
+    logits = mx.random.normal((batch, vocab))
+    mx.eval(x, q, k, hidden, logits)
+    norm = model.layers[0].input_layernorm
+    attn = model.layers[0].self_attn
+    argmax = argmax_fn(runner.backends.activations)
+
+    def calls(op, count):  # independent calls on one input: a chain of norms would run into denormals
+        return lambda: mx.eval([op(x) for _ in range(count)])
+
+    def rope():
+        md = decode_metadata(runner, batch, context)  # the tables are built once per step
+        mx.eval([attn._rope.rotate_qk(q, k, md.positions, md) for _ in range(layers)])
+
+    def kv_write():
+        md = decode_metadata(runner, batch, context)
+        mx.eval([runner.kv_cache.write(i, k, k, md.slot_mapping) for i in range(layers)])
+
+    rows = list(range(batch))
+    timed = {"rms_norm": calls(norm, 2 * layers + 1), "residual_add": calls(lambda y: y + hidden, 2 * layers),
+             "rope": rope, "kv_write": kv_write,
+             "logits_rows": lambda: mx.eval(hidden[mx.array(rows, dtype=mx.int32)]),
+             "argmax": lambda: mx.eval(argmax(logits))}
+    return {name: round(best_of(fn, repeats) * 1e3, 2) for name, fn in timed.items()}
 
 
 def matmul_bound(runner: ModelRunner, batch: int, repeats: int) -> float:
@@ -122,16 +180,39 @@ def matmul_bound(runner: ModelRunner, batch: int, repeats: int) -> float:
 
 def attention_only(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
     mc = runner.model_config
-    bs = runner.kv_cache.block_size
-    blocks = -(-(context + 1) // bs)
-    md = AttentionMetadata.build([1] * batch, [context + 1] * batch,
-                                 [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)], bs)
+    md = decode_metadata(runner, batch, context)
     q = mx.random.normal((batch, mc.num_attention_heads, mc.head_dim))
-    k, v = runner.kv_cache.layer(0)
+    pools = [runner.kv_cache.layer(i) for i in range(mc.num_hidden_layers)]  # each layer's own: read from DRAM
 
     def run():
-        mx.eval([paged_attention(q, k, v, md, mc.head_dim ** -0.5) for _ in range(mc.num_hidden_layers)])
+        mx.eval([paged_attention(q, k, v, md, mc.head_dim ** -0.5) for k, v in pools])
     return best_of(run, repeats)
+
+
+def set_decode_fusions(runner: ModelRunner, on: bool) -> None:
+    """Turn this branch's decode-step fusions on or off in a loaded runner (for --ab): the threaded argmax
+    (kernels.sampling) and the residual add fused into the next RMSNorm (RMSNorm.add_and_norm); off is
+    the graph of before (mx.argmax; an Add node, then the norm)."""
+    runner.sampler = Sampler(runner.model_config.vocab_size, eos_token_ids=runner.sampler.eos_token_ids, seed=0,
+                             backend=runner.backends.activations if on else "reference")
+    for _, module in runner.model.named_modules():
+        if isinstance(module, RMSNorm):
+            module._fused_add = on and module._kernel and ext.load() is not None
+
+
+def ab_steps(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, float]:
+    """step_ms with the fusions on and off, alternated in one run (a shared machine drifts): best and median."""
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(2 * (repeats + 1)):
+        which = "on" if i % 2 == 0 else "off"
+        set_decode_fusions(runner, which == "on")
+        start = time.perf_counter()
+        runner.execute(step)
+        if i >= 2:  # the first pair warms up
+            times[which].append((time.perf_counter() - start) * 1e3)
+    set_decode_fusions(runner, True)
+    return {f"{stat}_{which}_ms": round(fn(sorted(values)), 2) for which, values in times.items()
+            for stat, fn in (("best", lambda v: v[0]), ("median", lambda v: v[len(v) // 2]))}
 
 
 def main() -> None:
@@ -144,15 +225,23 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (auto, float32, float16, "
                         "bfloat16, int8)")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool size: batch x context must fit")
+    parser.add_argument("--ab", action="store_true",
+                        help="only step_ms with the decode fusions on and off, alternated (set_decode_fusions)")
     args = parser.parse_args()
     model = {"model": args.model} if args.model else {}
     runner = ModelRunner.load(EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, dtype=args.dtype,
                                            kv_cache_dtype=args.kv_cache_dtype, **model))
     step = decode_step(runner, args.batch, args.context)
+    if args.ab:
+        print(json.dumps({"model": args.model or "default", "batch": args.batch, "context": args.context,
+                          **ab_steps(runner, step, args.repeat)}))
+        return
     full = best_of(lambda: runner.execute(step), args.repeat)
     parts = phases(runner, step, args.repeat)
     bound = matmul_bound(runner, args.batch, args.repeat)
     attn = attention_only(runner, args.batch, args.context, args.repeat)
+    ops = op_costs(runner, args.batch, args.context, args.repeat)
+    nodes, kinds = graph_nodes(runner, step)
     result = {"model": args.model or "default",
               "batch": args.batch, "context": args.context, "dtype": args.dtype,
               "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("mlx.core."),
@@ -160,7 +249,8 @@ def main() -> None:
               "attention_backend": attention_backend(), "step_ms": round(full * 1e3, 2),
               **{k: round(v, 2) for k, v in parts.items()},
               "matmul_ms": round(bound * 1e3, 2), "attention_ms": round(attn * 1e3, 2),
-              "graph_nodes": graph_nodes(runner, step),
+              "ops_ms": ops, "other_ms": round((full - bound - attn) * 1e3 - sum(ops.values()), 2),
+              "graph_nodes": nodes, "node_kinds": kinds,
               "matmul_share": round(bound / full, 3), "attention_share": round(attn / full, 3)}
     print(json.dumps(result, indent=2))
 

@@ -5,7 +5,8 @@ fused kernels are GPU only). At one token per step the model's graph had ~3300 n
 most of them from these two, and MLX's dispatch costs a few microseconds per node whatever it
 computes. The kernels compute the same float32 arithmetic in one node:
 
-    RMSNorm      nn.RMSNorm's parameters; `weight_offset` 1 is gemma's x / rms(x) * (1 + w)
+    RMSNorm      nn.RMSNorm's parameters; `weight_offset` 1 is gemma's x / rms(x) * (1 + w);
+                 `add_and_norm` is a decoder's residual add and the norm after it in one node
     rope tables  cos / sin (T, head_dim / 2) of a step's positions, built once per step with MLX's
                  own ops in MLX's order (FlatRope caches them in the step's metadata)
     rope_qk      q and k rotated by the tables in one node
@@ -35,6 +36,7 @@ class RMSNorm(nn.RMSNorm):
     def __init__(self, dims: int, eps: float = 1e-5) -> None:
         super().__init__(dims, eps=eps)
         self._kernel = activation_backend() == "kernel"
+        self._fused_add = self._kernel and hasattr(ext.load(), "add_rms_norm")  # an older build lacks it
 
     def __call__(self, x: mx.array) -> mx.array:
         """x (..., dims) -> (..., dims)."""
@@ -44,6 +46,17 @@ class RMSNorm(nn.RMSNorm):
         if self.weight_offset:
             weight = self.weight_offset + weight
         return mx.fast.rms_norm(x, weight, self.eps)
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        """x, residual (..., dims) -> (h, self(h)) with h = residual + x: a decoder's residual add and the
+        norm after it, one node on CPU float32 (the same bits as the two ops), else the two ops."""
+        weight = self["weight"]
+        if (self._fused_add and x.dtype == mx.float32 and residual.dtype == mx.float32 and weight.dtype == mx.float32
+                and x.shape == residual.shape):
+            h, normed = ext.load().add_rms_norm(x, residual, weight, eps=self.eps, weight_offset=self.weight_offset)
+            return h, normed
+        h = residual + x
+        return h, self(h)
 
 
 def rope_inv_frequencies(dims: int, base: float | None, freqs: mx.array | None) -> mx.array:

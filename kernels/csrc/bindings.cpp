@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "activations.h"
+#include "sampling.h"
 #include "causal_softmax.h"
 #include "isa.h"
 #include "kv_write.h"
@@ -79,10 +80,23 @@ NB_MODULE(_kernels, m) {
   m.def("rms_norm", &metrale::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "weight_offset"_a = 0.0f,
         "RMSNorm of x (..., D) float32 with weight (D,) float32 (+ weight_offset: 1 for gemma's 1 + w),\n"
         "one node on the CPU stream: (x / sqrt(mean(x^2) + eps)) * (weight + weight_offset).");
+  m.def("add_rms_norm", &metrale::add_rms_norm, "x"_a, "residual"_a, "weight"_a, nb::kw_only(), "eps"_a,
+        "weight_offset"_a = 0.0f,
+        "[h, out] for x, residual (..., D) float32 of one shape and weight (D,) float32: h = x + residual and\n"
+        "out = rms_norm(h, weight, eps, weight_offset), one node on the CPU stream (bit for bit the two ops).");
   m.def("rope_qk", &metrale::rope_qk, "q"_a, "k"_a, "cos"_a, "sin"_a, nb::kw_only(), "traditional"_a = false,
         "RoPE of q (T, Hq, D) and k (T, Hk, D) float32 by per-token cos / sin (T, D / 2), one node on the\n"
         "CPU stream: [q, k] rotated (half-split pairs, or interleaved ones when traditional).");
   m.def("kv_write", &metrale::kv_write, "pool"_a, "rows"_a, "slots"_a,
         "The pool (S, H, D) with rows (T, H, D) written at slots (T,) int32, one node on the CPU stream;\n"
         "in place when nothing else holds the old pool.");
+  m.def("argmax_rows", &metrale::argmax_rows, "x"_a,
+        "mx.argmax(x, axis=-1) for x (..., V) float32 on the CPU stream, threaded: (...) uint32, the first\n"
+        "index of each row's maximum; a NaN counts as the largest value (the first NaN wins).");
+  m.def("sample_full_rows", &metrale::sample_full_rows, "logits"_a, "scale"_a, "log2_min_p"_a, "uniforms"_a,
+        "One token per row of logits (R, V) float32 by the inverse CDF of 2^((x - max) * scale) (0 below\n"
+        "log2_min_p) at the row's uniform; scale, log2_min_p, uniforms (R,) float32. Returns (R,) int32.");
+  m.def("logsumexp_rows", &metrale::logsumexp_rows, "x"_a,
+        "log(sum(exp(x))) of each row of x (R, V) float32, vectorized: (R,) float32; NaN where a row's\n"
+        "maximum is not finite.");
 }

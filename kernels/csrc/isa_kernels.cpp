@@ -11,6 +11,7 @@
 #include "norm_rope_kernel.h"
 #include "prefill_kernel.h"
 #include "qmm_kernel.h"
+#include "sampling_kernel.h"
 #include "vecmath.h"
 
 #ifndef METRALE_ISA_NS
@@ -103,6 +104,8 @@ const KernelTable* METRALE_CAT(kernel_table_, METRALE_ISA_NS)() {
       isa::prefill_task,
       isa::causal_softmax_rows, isa::kernel::gated,
       isa::kernel::rms_norm_rows, isa::kernel::rope_rows, isa::qmm::quantize, isa::qmm::panels,
+      isa::kernel::argmax_range, isa::kernel::sample_full_row, isa::kernel::logsumexp_row,
+      isa::kernel::add_rms_norm_rows,
   };
   return &table;
 }

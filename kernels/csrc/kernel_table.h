@@ -94,6 +94,14 @@ struct QmmOut {
   int glu;  // -1: plain; else a GatedKind
 };
 
+// Greedy argmax (sampling_kernel.h): a range of one row's maximum, the index of its first occurrence and the
+// index of the range's first NaN (-1: none), all indices counted from the row's start.
+struct ArgmaxPart {
+  float value;
+  int64_t index;
+  int64_t first_nan;
+};
+
 struct KernelTable {
   const char* isa;
   // paged decode attention: one (sequence, kv head) task (attention_kernel.h)
@@ -119,6 +127,16 @@ struct KernelTable {
   // quantized matmul: panels [p_begin, p_end) (pairs with glu) for tokens [t_begin, t_end) of acts
   void (*qmm_panels)(const QmmWeights& w, const QmmActs& acts, const QmmOut& out, int64_t p_begin, int64_t p_end,
                      int64_t t_begin, int64_t t_end);
+  // greedy argmax over x[begin, end) of one float32 row
+  ArgmaxPart (*argmax_range)(const float* x, int64_t begin, int64_t end);
+  // one row x (V,) float32 sampled at a temperature by the inverse CDF at u (sampling_kernel.h); scratch holds
+  // (V + 63) / 64 floats
+  int32_t (*sample_full_row)(const float* x, int64_t V, float scale, float log2_min_p, float u, float* scratch);
+  // log(sum(exp(x))) of one row x (V,) float32 (sampling_kernel.h)
+  float (*logsumexp_row)(const float* x, int64_t V);
+  // rows [r0, r1): h = x + residual, then out = RMSNorm(h) as rms_norm_rows (norm_rope_kernel.h)
+  void (*add_rms_norm_rows)(const float* x, const float* residual, const float* w, float* h, float* out, int64_t r0,
+                            int64_t r1, int D, float eps, float w_offset);
 };
 
 const KernelTable* kernel_table_scalar();

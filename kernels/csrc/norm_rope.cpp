@@ -79,6 +79,51 @@ bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
   return eps_ == o.eps_ && weight_offset_ == o.weight_offset_;
 }
 
+std::vector<mx::array> add_rms_norm(const mx::array& x, const mx::array& residual, const mx::array& weight, float eps,
+                                    float weight_offset) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32 || residual.dtype() != mx::float32 || x.shape() != residual.shape() ||
+      weight.dtype() != mx::float32 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("add_rms_norm: x and residual (..., D) of one shape and weight (D,), all float32, got " +
+                                describe(x) + ", " + describe(residual) + " and " + describe(weight));
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({x.shape(), x.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<AddRmsNorm>(s, eps, weight_offset), {x, residual, weight});
+}
+
+void AddRmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto &x = inputs[0], &residual = inputs[1];
+  auto &h = outputs[0], &normed = outputs[1];
+  const bool x_free = x.is_donatable() && x.flags().row_contiguous;
+  reuse_or_allocate(x_free ? x : residual, h);  // the sum overwrites an addend nothing else reads
+  normed.set_data(mx::allocator::malloc(normed.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(h);
+  encoder.set_output_array(normed);
+  const RowMajor xin(x, encoder), rin(residual, encoder), win(inputs[2], encoder);
+  const int D = x.shape(-1);
+  const int64_t rows = D == 0 ? 0 : static_cast<int64_t>(x.size()) / D;
+  encoder.dispatch([xin, rin, win, hp = h.data<float>(), o = normed.data<float>(), D, rows, eps = eps_,
+                    offset = weight_offset_] {
+    const auto& kernels = cpu_kernels();
+    const float *xp = xin.data<float>(), *rp = rin.data<float>(), *wp = win.data<float>();
+    const int64_t per_task = 16, tasks = (rows + per_task - 1) / per_task;
+    parallel_for(static_cast<int>(tasks), width_for(rows * D, tasks), [&](int task, int) {
+      const int64_t r0 = task * per_task;
+      kernels.add_rms_norm_rows(xp, rp, wp, hp, o, r0, std::min(rows, r0 + per_task), D, eps, offset);
+    });
+  });
+}
+
+void AddRmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("add_rms_norm: CPU only; GPU streams add and use mx.fast.rms_norm");
+}
+
+bool AddRmsNorm::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const AddRmsNorm&>(other);
+  return eps_ == o.eps_ && weight_offset_ == o.weight_offset_;
+}
+
 std::vector<mx::array> rope_qk(const mx::array& q, const mx::array& k, const mx::array& cos, const mx::array& sin,
                                bool traditional) {
   const bool ok = q.ndim() == 3 && k.ndim() == 3 && q.shape(0) == k.shape(0) && q.shape(2) == k.shape(2) &&

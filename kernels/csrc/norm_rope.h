@@ -14,6 +14,11 @@ namespace mx = mlx::core;
 // x (..., D) float32, weight (D,) float32 -> (x / rms(x)) * (weight + weight_offset), float32.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, float weight_offset);
 
+// x, residual (..., D) float32 (the same shape), weight (D,) float32 -> [h, out]: h = x + residual and
+// out = rms_norm(h, weight): a residual add and the norm after it in one node, bit for bit the two ops.
+std::vector<mx::array> add_rms_norm(const mx::array& x, const mx::array& residual, const mx::array& weight, float eps,
+                                    float weight_offset);
+
 // q (T, Hq, D), k (T, Hk, D) float32, cos / sin (T, D / 2) float32 -> [q, k] rotated: half-split
 // pairs (i, i + D/2), or interleaved pairs (2i, 2i + 1) when traditional.
 std::vector<mx::array> rope_qk(const mx::array& q, const mx::array& k, const mx::array& cos, const mx::array& sin,
@@ -29,6 +34,23 @@ class RmsNorm : public mx::UnaryPrimitive {
   const char* name() const override { return "RmsNormCPU"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float eps_, weight_offset_;
+};
+
+class AddRmsNorm : public mx::Primitive {
+ public:
+  AddRmsNorm(mx::Stream stream, float eps, float weight_offset)
+      : mx::Primitive(stream), eps_(eps), weight_offset_(weight_offset) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "AddRmsNormCPU"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[0].shape()};
+  }
 
  private:
   float eps_, weight_offset_;

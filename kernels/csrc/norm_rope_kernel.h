@@ -33,6 +33,21 @@ inline void rms_norm_rows(const float* x, const float* w, float* out, int64_t r0
   }
 }
 
+// Rows [r0, r1) of h = x + residual (h may be x or residual), then RMSNorm of h into out: the residual add
+// and the next norm in one pass, each bit for bit the unfused Add then rms_norm_rows.
+inline void add_rms_norm_rows(const float* x, const float* residual, const float* w, float* h, float* out, int64_t r0,
+                              int64_t r1, int D, float eps, float w_offset) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * D;
+    const float* rr = residual + r * D;
+    float* hr = h + r * D;
+    int i = 0;
+    for (; i + kW <= D; i += kW) store8(hr + i, load8(xr + i) + load8(rr + i));
+    for (; i < D; ++i) hr[i] = xr[i] + rr[i];
+    rms_norm_rows(h, w, out, r, r + 1, D, eps, w_offset);
+  }
+}
+
 // x (T, H, D) float32, tokens [t0, t1); cos, sin (T, D / 2); out (T, H, D) (may be x).
 inline void rope_rows(const float* x, const float* cos, const float* sin, float* out, int64_t t0, int64_t t1, int H,
                       int D, bool traditional) {

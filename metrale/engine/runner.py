@@ -163,7 +163,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backends = backends  # decided once, at load
         self.dtype_name = str(loaded.dtype).removeprefix("mlx.core.")
-        self.sampler = Sampler(self.model_config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, seed=seed)
+        self.sampler = Sampler(self.model_config.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, seed=seed,
+                               backend=backends.activations)
         self.failpoints = failpoints
         self.drafter = drafter  # the runner-side proposer, when speculation uses a draft model
         self.grammar_compiler = grammar_compiler  # shared with the engine, which compiles ahead of submit

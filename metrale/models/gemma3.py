@@ -71,6 +71,15 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         r = self.mlp(self.pre_feedforward_layernorm(h))  # (T, D)
         return residual_add(h, self.post_feedforward_layernorm(r))  # (T, D)
 
+    def residual_forward(
+        self, x: mx.array, residual: mx.array | None, positions: mx.array, kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[mx.array, None]:
+        """The sandwich block sums its own residuals (see LlamaDecoderLayer.residual_forward): (output, None)."""
+        if residual is not None:
+            x = residual_add(residual, x)
+        return self(x, positions, kv_cache, metadata), None
+
 
 class Gemma3Model(LlamaModel):
     """Scaled embeddings, sandwich-norm layers, (1 + w) final norm."""

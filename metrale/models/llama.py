@@ -148,8 +148,23 @@ class LlamaDecoderLayer(nn.Module):
         self, x: mx.array, positions: mx.array, kv_cache: PagedKVCache, metadata: AttentionMetadata
     ) -> mx.array:
         """x (T, D) -> (T, D)."""
-        h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)  # (T, D)
-        return h + self.mlp(self.post_attention_layernorm(h))  # (T, D)
+        mlp_out, h = self.residual_forward(x, None, positions, kv_cache, metadata)
+        return h + mlp_out  # (T, D)
+
+    def residual_forward(
+        self, x: mx.array, residual: mx.array | None, positions: mx.array, kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[mx.array, mx.array | None]:
+        """The layer on the hidden states residual + x (residual None: x) -> (mlp_out, h), the layer's
+        output being h + mlp_out, left unsummed: the next norm adds it in the same node (RMSNorm.add_and_norm),
+        so a decode step has no separate residual Add. Each sum is the unfused layer's, bit for bit."""
+        if residual is None:
+            h, normed = x, self.input_layernorm(x)  # (T, D) each
+        else:
+            h, normed = self.input_layernorm.add_and_norm(x, residual)  # h = residual + x
+        attn_out = self.self_attn(normed, positions, kv_cache, metadata)  # (T, D)
+        h, normed = self.post_attention_layernorm.add_and_norm(attn_out, h)  # h + attn_out, its norm
+        return self.mlp(normed), h  # (T, D) each
 
 
 class LlamaModel(nn.Module):
@@ -173,10 +188,10 @@ class LlamaModel(nn.Module):
         self, token_ids: mx.array, positions: mx.array, kv_cache: PagedKVCache, metadata: AttentionMetadata
     ) -> mx.array:
         """token_ids (T,), positions (T,) -> normed hidden states (T, D)."""
-        h = self.embed(token_ids)  # (T, D)
+        x, residual = self.embed(token_ids), None  # the hidden states are residual + x, (T, D) each
         for layer in self.layers:
-            h = layer(h, positions, kv_cache, metadata)  # (T, D)
-        return self.norm(h)  # (T, D)
+            x, residual = layer.residual_forward(x, residual, positions, kv_cache, metadata)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[1]  # (T, D)
 
 
 class LlamaForCausalLM(nn.Module):

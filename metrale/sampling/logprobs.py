@@ -3,18 +3,27 @@ temperature and truncation; vLLM's default, "raw_logprobs"): the sampled token's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kernels.runtime import mx
 from metrale.outputs import TokenLogprob
 from metrale.sampling.batch import LOG2E, SamplingBatch, index_array, row_index
 from metrale.sampling.ops import largest, select
 
 
-def logprob_arrays(logits: mx.array, tokens: mx.array, batch: SamplingBatch) -> tuple[mx.array, ...]:
-    """Raw log_softmax at the sampled token, plus the top-n ids and logprobs, for logprob rows."""
+def _logsumexp(raw: mx.array) -> mx.array:
+    """raw (L, V) -> (L,) log(sum(exp(raw))) in MLX ops (exp as 2^(x log2 e): MLX's CPU exp is slower)."""
+    top = raw.max(axis=-1, keepdims=True)  # (L, 1)
+    return (top + mx.log(mx.power(2.0, (raw - top) * LOG2E).sum(axis=-1, keepdims=True)))[:, 0]  # (L,)
+
+
+def logprob_arrays(logits: mx.array, tokens: mx.array, batch: SamplingBatch,
+                   logsumexp: Callable[[mx.array], mx.array] = _logsumexp) -> tuple[mx.array, ...]:
+    """Raw log_softmax at the sampled token, plus the top-n ids and logprobs, for logprob rows.
+    `logsumexp`: (L, V) -> (L,) (the sampler passes kernels.sampling's)."""
     rows = index_array(batch.logprob_rows)
     raw = select(logits, row_index(list(batch.logprob_rows), batch.num_rows))  # (L, V)
-    top = raw.max(axis=-1, keepdims=True)  # (L, 1)
-    lse = top + mx.log(mx.power(2.0, (raw - top) * LOG2E).sum(axis=-1, keepdims=True))  # (L, 1)
+    lse = logsumexp(raw)[:, None]  # (L, 1)
     sampled = mx.take_along_axis(raw, tokens[rows][:, None], axis=-1) - lse  # (L, 1)
     n = max(batch.num_logprobs)
     if n == 0:

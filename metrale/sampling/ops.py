@@ -8,8 +8,10 @@ distribution at the row's uniform: exact, with no (S, V) noise to generate.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from kernels.runtime import mx
+from kernels.sampling import SampleFull
 from metrale.sampling.batch import LogitBias, Penalties, RandomGroup, index_array
 
 
@@ -53,10 +55,19 @@ def apply_penalties(x: mx.array, pen: Penalties) -> mx.array:
     return out
 
 
-def sample_full(x: mx.array, group: RandomGroup) -> mx.array:
-    """Temperature (+ min_p) rows: inverse CDF over the whole vocabulary. Returns (R,) int32."""
+def _argmax_last(x: mx.array) -> mx.array:
+    return mx.argmax(x, axis=-1)
+
+
+def sample_full(x: mx.array, group: RandomGroup, argmax: Callable[[mx.array], mx.array] = _argmax_last,
+                kernel: SampleFull | None = None) -> mx.array:
+    """Temperature (+ min_p) rows: inverse CDF over the whole vocabulary. Returns (R,) int32.
+    `argmax`: (R, V) -> (R,), as mx.argmax(x, axis=-1); `kernel`: kernels.sampling's one-node version of
+    the same arithmetic (float32 logits), where the sampler has it."""
     logits = select(x, group.rows)  # (R, V); temperature folds into `scale`: no (R, V) division
-    mode = mx.argmax(logits, axis=-1)  # (R,)
+    if kernel is not None and logits.dtype == mx.float32:
+        return kernel(logits, group.scale.reshape(-1), group.log2_min_p.reshape(-1), group.uniforms)  # (R,)
+    mode = argmax(logits)  # (R,)
     log2_q = (logits - mx.take_along_axis(logits, mode[:, None], axis=-1)) * group.scale  # (R, V), <= 0
     if group.any_min_p:
         log2_q = mx.where(log2_q >= group.log2_min_p, log2_q, -math.inf)

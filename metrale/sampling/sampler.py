@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels.sampling import argmax_fn, logsumexp_fn, sample_full_fn
 from kernels.runtime import mx
 from metrale.outputs import TokenLogprob
 from metrale.sampling import ops
@@ -57,12 +58,18 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row from (S, V) logits. Lives on the MLX thread with the runner."""
 
-    def __init__(self, vocab_size: int, *, eos_token_ids: Sequence[int] = (), seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int, *, eos_token_ids: Sequence[int] = (), seed: int | None = None,
+                 backend: str | None = None) -> None:
         """`eos_token_ids` (with each row's stop_token_ids) are banned until the row has min_tokens
-        output tokens, unless it ignores eos; `seed` seeds the unseeded rows' generator."""
+        output tokens, unless it ignores eos; `seed` seeds the unseeded rows' generator. `backend` ("kernel"
+        | "reference", None: kernels.backend.activation_backend()) picks the argmax and the full-vocabulary sampling
+        (kernels.sampling) or MLX's ops."""
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._builder = BatchBuilder(vocab_size, self.eos_token_ids, seed)
+        self._argmax = argmax_fn(backend)  # (..., V) -> (...) uint32, as mx.argmax(x, axis=-1)
+        self._sample_full = sample_full_fn(backend)  # None: the MLX ops of ops.sample_full
+        self._logsumexp = logsumexp_fn(backend)  # (L, V) -> (L,), the raw logprobs' normalizer
 
     def prepare(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
         """Per-row Python params -> the step's arrays and host-side row groups (metrale.sampling.batch);
@@ -74,7 +81,7 @@ class Sampler:
         if logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, the batch has {batch.num_rows}")
         if batch.is_plain_greedy:
-            return SamplerOutput(mx.argmax(logits, axis=-1).tolist(), [None] * batch.num_rows)
+            return SamplerOutput(self._argmax(logits).tolist(), [None] * batch.num_rows)
         x = logits  # (S, V), never modified in place: raw logprobs read `logits`
         if batch.bitmask is not None:
             x = ops.apply_bitmask(x, batch.bitmask)
@@ -86,9 +93,9 @@ class Sampler:
             x = ops.apply_penalties(x, batch.penalties)
         parts = []
         if batch.num_greedy:
-            parts.append(mx.argmax(ops.select(x, batch.greedy_rows), axis=-1).astype(mx.int32))  # (G,)
+            parts.append(self._argmax(ops.select(x, batch.greedy_rows)).astype(mx.int32))  # (G,)
         if batch.full is not None:
-            parts.append(ops.sample_full(x, batch.full))  # (F,)
+            parts.append(ops.sample_full(x, batch.full, self._argmax, self._sample_full))  # (F,)
         if batch.candidates is not None:
             parts.append(ops.sample_candidates(x, batch.candidates, self.vocab_size))  # (C,)
         tokens = mx.concatenate(parts) if len(parts) > 1 else parts[0]  # (S,) in group order
@@ -96,7 +103,7 @@ class Sampler:
             tokens = tokens[batch.inverse_order]  # (S,) in row order
         if not batch.logprob_rows:
             return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
-        arrays = logprob_arrays(logits, tokens, batch)
+        arrays = logprob_arrays(logits, tokens, batch, self._logsumexp)
         mx.eval(tokens, *arrays)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, logprob_lists(batch, token_ids, *arrays))

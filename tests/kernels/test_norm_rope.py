@@ -90,3 +90,42 @@ def test_rms_norm_module_kernel_and_reference_agree(monkeypatch, offset):
     np.testing.assert_allclose(np.array(fused(x)), np.array(plain(x)), rtol=2e-6, atol=2e-6)
     half = x.astype(mx.bfloat16)  # not float32: MLX's own op on every backend
     assert mx.array_equal(fused(half), mx.fast.rms_norm(half, fused.weight + offset, 1e-6)).item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 576), (32, 2048), (3, 5, 128), (2, 37)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(isa, shape, offset):
+    x, residual, w = normal(shape, 8, 2.0), normal(shape, 9, 5.0), normal(shape[-1:], 10)
+    h, normed = kernel.add_rms_norm(x, residual, w, eps=1e-5, weight_offset=offset)
+    want_h = residual + x
+    want = kernel.rms_norm(want_h, w, eps=1e-5, weight_offset=offset)
+    np.testing.assert_array_equal(np.array(h), np.array(want_h))
+    np.testing.assert_array_equal(np.array(normed), np.array(want))
+    np.testing.assert_allclose(np.array(normed), np.array(mx.fast.rms_norm(want_h, w + offset, 1e-5)),
+                               rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+def test_add_rms_norm_in_place_strided_and_validation():
+    x, residual, w = normal((24, 16), 11), normal((24, 16), 12), normal((16,), 13)
+    # a fresh sum as x (donatable, its buffer becomes h) and a transposed view as the residual (copied)
+    h, normed = kernel.add_rms_norm(x * 2, normal((16, 24), 14).T, w, eps=1e-6)
+    want_h = normal((16, 24), 14).T + x * 2
+    np.testing.assert_array_equal(np.array(h), np.array(want_h))
+    np.testing.assert_array_equal(np.array(normed), np.array(kernel.rms_norm(want_h, w, eps=1e-6)))
+    with pytest.raises(ValueError, match="one shape"):
+        kernel.add_rms_norm(x, residual[:3], w, eps=1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.add_rms_norm(x.astype(mx.float16), residual.astype(mx.float16), w, eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_rms_norm_module_add_and_norm(dtype):
+    """RMSNorm.add_and_norm is (residual + x, norm(residual + x)) on every backend and dtype."""
+    norm = RMSNorm(64, eps=1e-5)
+    norm.weight = normal((64,), 15).astype(dtype)
+    x, residual = normal((5, 64), 16).astype(dtype), normal((5, 64), 17).astype(dtype)
+    h, normed = norm.add_and_norm(x, residual)
+    np.testing.assert_array_equal(np.array(h), np.array(residual + x))
+    np.testing.assert_array_equal(np.array(normed), np.array(norm(residual + x)))

@@ -171,3 +171,22 @@ def test_registry():
     assert get_model_class("llama") is LlamaForCausalLM
     with pytest.raises(ValueError, match=r"unsupported model architecture 'gpt_neox'; supported: .*llama"):
         get_model_class("gpt_neox")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_residual_forward_is_the_layer_by_layer_forward_bit_for_bit(architecture):
+    """LlamaModel leaves each layer's residual add to the next norm (one fused node on CPU): the hidden
+    states are exactly those of calling every layer and then the final norm."""
+    config_dict = tiny_config_dict()
+    _, model = make_twins(config_dict)
+    if architecture == "gemma3":  # sandwich norms: the layer sums its own residuals
+        model = get_model_class("gemma3")(dataclasses.replace(model.config, architecture="gemma3"))
+        mx.eval(model.parameters())
+    prompts = _prompts(config_dict["vocab_size"], [5, 1, 4])
+    harness = PagedHarness(model.config)
+    token_ids, metadata = harness.build(list(prompts.items()))
+    fused = model(token_ids, metadata.positions, harness.cache, metadata)  # (10, D)
+    h = model.model.embed(token_ids)
+    for layer in model.model.layers:
+        h = layer(h, metadata.positions, harness.cache, metadata)  # each layer sums its own residuals
+    assert mx.array_equal(fused, model.model.norm(h)).item()

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels.sampling import has_argmax_kernel
 from metrale.sampling.sampler import TOP_P_CANDIDATES, Sampler, seeded_bits
 from metrale.sampling_params import SamplingParams
 
@@ -218,3 +219,17 @@ def test_logits_rows_must_match_the_batch():
     batch = sampler.prepare([Row(SamplingParams())])
     with pytest.raises(ValueError, match="rows"):
         sampler.sample(mx.zeros((2, 40)), batch)
+
+
+@pytest.mark.skipif(not has_argmax_kernel(), reason="kernels not built: python -m kernels.build")
+def test_argmax_kernel_samples_the_same_tokens_as_mlx():
+    x = np.round(logits(32, scale=4.0, seed=11))  # integer logits: ties for the maximum in most rows
+    x[3, 100] = np.nan  # a NaN row: mx.argmax takes its first NaN, and so must the kernel
+    plain = [Row(SamplingParams(temperature=0.0)) for _ in range(32)]
+    mixed = [Row(SamplingParams(temperature=0.0 if i % 3 else 0.9, min_p=0.05 * (i % 2), seed=i))
+             for i in range(32)]
+    for rows in (plain, mixed):
+        kernel = sample(x, rows, Sampler(V, eos_token_ids=(EOS,), seed=0, backend="kernel")).token_ids
+        reference = sample(x, rows, Sampler(V, eos_token_ids=(EOS,), seed=0, backend="reference")).token_ids
+        assert kernel == reference
+    assert kernel[0] == int(np.argmax(x[0]))

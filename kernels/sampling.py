@@ -1,0 +1,91 @@
+"""Sampling kernels, threaded over rows on the CPU (kernels/csrc/sampling*): the greedy argmax and the
+full-vocabulary inverse CDF of temperature (+ min_p) rows, for metrale.sampling.
+
+argmax (argmax_fn): MLX's CPU argmax is one thread, ~10-13 ms for the (32, 128256) float32 logits of a
+32-stream decode step of a Llama-3-vocabulary model; the kernel splits rows (and, for fewer rows than
+threads, ranges of a row) over the kernel pool: ~0.7 ms. The answer is mx.argmax(x, axis=-1)'s, bit for bit:
+
+    dtype     uint32, shape x.shape[:-1]
+    ties      the first index of the maximum (-0.0 and +0.0 tie; a row of -inf gives 0)
+    NaN       counts as larger than every number: the first NaN's index (checked against mlx 0.32)
+
+full-vocabulary sampling (sample_full_fn): metrale.sampling.ops.sample_full's arithmetic in one node,
+~35 ms of MLX ops (its CPU power is scalar) -> a few ms at (32, 128256). The same distribution; its running
+mass is summed in another order (blocks of 64, see kernels/csrc/sampling_kernel.h), so a uniform that
+falls within float rounding of a token boundary may pick the neighbour; NaN logits get no mass.
+
+logsumexp (logsumexp_fn): the raw logprobs' normalizer per row, vectorized: ~60 ms of MLX ops at (32, 128256)
+-> ~1-2 ms; within float32 rounding of MLX's (a NaN where the row's maximum is not finite, as MLX's).
+
+Chosen once, like the other kernels (kernels.backend.activation_backend, METRALE_KERNELS): "kernel" on CPU
+with an extension that has them; float32 logits only (other dtypes, a GPU, the reference backend and an
+older build run the MLX ops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kernels import ext
+from kernels.backend import activation_backend
+from kernels.runtime import mx
+
+__all__ = ["argmax_fn", "has_argmax_kernel", "logsumexp_fn", "sample_full_fn"]
+
+Argmax = Callable[[mx.array], mx.array]
+# logits (R, V) float32, scale (R,), log2_min_p (R,), uniforms (R,) float32 -> tokens (R,) int32
+SampleFull = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
+
+
+def has_argmax_kernel() -> bool:
+    """True when the loaded extension has the argmax kernel (a build that predates it lacks it)."""
+    module = ext.load()
+    return module is not None and hasattr(module, "argmax_rows")
+
+
+def _reference(x: mx.array) -> mx.array:
+    return mx.argmax(x, axis=-1)
+
+
+def argmax_fn(backend: str | None = None) -> Argmax:
+    """x (..., V) -> (...) uint32, the index of each row's maximum, as mx.argmax(x, axis=-1).
+    `backend`: "kernel" | "reference" (None: activation_backend())."""
+    backend = activation_backend() if backend is None else backend
+    if backend != "kernel" or not has_argmax_kernel():
+        return _reference
+    kernel = ext.load().argmax_rows
+
+    def argmax(x: mx.array) -> mx.array:
+        if x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] >= 1:
+            return kernel(x)
+        return _reference(x)
+
+    return argmax
+
+
+def sample_full_fn(backend: str | None = None) -> SampleFull | None:
+    """The full-vocabulary sampling kernel (see the module docstring), or None where the MLX ops run: the
+    reference backend, no kernel in the build. It takes float32 logits only (the caller checks)."""
+    backend = activation_backend() if backend is None else backend
+    module = ext.load() if backend == "kernel" else None
+    return getattr(module, "sample_full_rows", None) if module is not None else None
+
+
+def _reference_logsumexp(x: mx.array) -> mx.array:
+    top = x.max(axis=-1, keepdims=True)  # (R, 1)
+    return (top + mx.log(mx.exp(x - top).sum(axis=-1, keepdims=True)))[:, 0]  # (R,)
+
+
+def logsumexp_fn(backend: str | None = None) -> Callable[[mx.array], mx.array]:
+    """x (R, V) -> (R,) float32 log(sum(exp(x))) per row: the kernel on float32 input where the backend
+    has it, else MLX's ops."""
+    backend = activation_backend() if backend is None else backend
+    module = ext.load() if backend == "kernel" else None
+    kernel = getattr(module, "logsumexp_rows", None) if module is not None else None
+    if kernel is None:
+        return _reference_logsumexp
+
+    def logsumexp(x: mx.array) -> mx.array:
+        return kernel(x) if x.dtype == mx.float32 and x.ndim == 2 and x.shape[-1] >= 1 else _reference_logsumexp(x)
+
+    return logsumexp
