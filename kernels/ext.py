@@ -1,7 +1,8 @@
 """The compiled CPU kernels (an MLX extension): quantized matmul, paged decode attention, causal
 softmax and fused gated activations (SwiGLU / GeGLU); without them the plain-MLX reference runs.
 
-The kernels are compiled once per instruction set (scalar, avx2, avx512, avx512_amx on x86-64) and the
+The kernels are compiled once per instruction set (scalar, avx2, avx512, avx512_amx on x86-64;
+scalar, neon, neon_dotprod on arm64) and the
 best one this CPU runs is chosen when the module loads; KernelSettings.cpu_isa (METRALE_CPU_ISA=scalar|...)
 asks for another (a set the CPU lacks refuses the kernels, with the reason). `cpu_isa()` says which one
 runs. The load applies the settings in force (kernels.settings.current(): the engine's when it builds its
