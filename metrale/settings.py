@@ -44,7 +44,8 @@ ENVIRONMENT = (
              "is faster and flips some greedy tokens; auto also makes outputs depend on batching)"),
     Variable("METRALE_CPU_ISA", "kernels.cpu_isa", "auto", "auto, scalar, avx2, avx512 or avx512_amx "
              "(x86-64), neon or neon_dotprod (arm64) (AMX int8 tiles for prompt chunks; avx512 turns "
-             "them off): force the kernels' instruction set (a set the CPU lacks refuses the kernels, with the reason); process-wide"),
+             "them off): force the kernels' instruction set (a set the CPU lacks refuses the kernels, "
+             "with the reason); process-wide"),
     Variable("METRALE_OPENBLAS", "kernels.openblas", "(search)", "path of libopenblas.so.0 to preload before "
              "mlx, or none; process-wide, read when mlx is first imported"),
     Variable("METRALE_ATTENTION_THREADS", "kernels.attention_threads", "(CPUs)", "threads of the CPU kernels; "
