@@ -119,18 +119,24 @@ async def ends_with_an_error(stream) -> BaseException:
     return failure.value
 
 
+def hold_restarts(client) -> asyncio.Event:
+    """Make the client's restart wait for the returned event: the restarting state is observed, not raced."""
+    gate = asyncio.Event()
+    spawn = client._spawn
+
+    async def gated_spawn():
+        await gate.wait()
+        return await spawn()
+
+    client._spawn = gated_spawn
+    return gate
+
+
 @pytest.mark.parametrize("signum", [signal.SIGSEGV, signal.SIGKILL])
 async def test_a_killed_engine_process_fails_what_was_in_flight_and_comes_back(tiny_model, signum):
     async with AsyncEngine(config(tiny_model, True)) as engine:
         client = engine._client
-        gate = asyncio.Event()  # the restart waits for it: the restarting state is observed, not raced
-        spawn = client._spawn
-
-        async def gated_spawn():
-            await gate.wait()
-            return await spawn()
-
-        client._spawn = gated_spawn
+        gate = hold_restarts(client)
         before = engine.generate(PROMPTS[0], GREEDY)
         streams = await streams_under_way(engine, 4)
         old_pid = client._proc.pid
@@ -156,14 +162,7 @@ async def test_a_hung_engine_process_is_killed_failing_what_was_in_flight_and_co
     settings = RuntimeSettings.resolve(environ={}).replace(engine_hang_timeout_s=2.0)
     async with AsyncEngine(config(tiny_model, True), settings=settings) as engine:
         client = engine._client
-        gate = asyncio.Event()  # the restart waits for it: the restarting state is observed, not raced
-        spawn = client._spawn
-
-        async def gated_spawn():
-            await gate.wait()
-            return await spawn()
-
-        client._spawn = gated_spawn
+        gate = hold_restarts(client)
         streams = await streams_under_way(engine, 3)
         old_pid = client._proc.pid
         os.kill(old_pid, signal.SIGSTOP)  # alive, answering nothing: as if stuck in a native call
