@@ -40,15 +40,19 @@ def test_auto_is_float16_on_cpu_for_float32_activations():
     assert resolve_kv_dtype("bfloat16", mx.float32) == mx.bfloat16
 
 
-def test_sixteen_bits_hold_twice_the_blocks_in_the_same_budget(tmp_path):
+def kv_caches_in_one_budget(tmp_path, dtypes: tuple[str, ...]) -> dict:
+    """The KV cache a tiny model's runner allocates from 1 MiB with blocks of 4, per kv_cache_dtype name."""
     config_dict = tiny_config_dict()
     _, model = make_twins(config_dict)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(str(path), config_dict, tree_flatten(model.parameters()))
-    caches = {}
-    for name in ("float32", "float16", "bfloat16", "auto"):
-        config = EngineConfig(model=str(path), kv_cache_bytes=1 << 20, block_size=4, kv_cache_dtype=name)
-        caches[name] = ModelRunner.load(config).kv_cache
+    return {name: ModelRunner.load(EngineConfig(model=str(path), kv_cache_bytes=1 << 20, block_size=4,
+                                                kv_cache_dtype=name)).kv_cache
+            for name in dtypes}
+
+
+def test_sixteen_bits_hold_twice_the_blocks_in_the_same_budget(tmp_path):
+    caches = kv_caches_in_one_budget(tmp_path, ("float32", "float16", "bfloat16", "auto"))
     assert caches["auto"].dtype == mx.float16 and caches["float32"].dtype == mx.float32
     for half in ("float16", "bfloat16", "auto"):
         assert caches[half].num_blocks == 2 * caches["float32"].num_blocks

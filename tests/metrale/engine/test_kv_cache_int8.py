@@ -9,17 +9,15 @@ import asyncio
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from kvcache import quantized
 from kvcache.storage import PagedKVCache
 from metrale import AsyncEngine, EngineConfig, SamplingParams
-from metrale.engine.runner import ModelRunner, resolve_kv_dtype
+from metrale.engine.runner import resolve_kv_dtype
 from metrale.loading import load_model
-from tests.metrale.engine.test_kv_cache_dtype import BLOCK, PROMPTS, greedy
+from tests.metrale.engine.test_kv_cache_dtype import BLOCK, PROMPTS, greedy, kv_caches_in_one_budget
 from tests.metrale.engine_helpers import assert_clean, collect, wait_idle
 from tests.metrale.lora_helpers import random_adapter, write_mlx_adapter
-from tests.metrale.model_helpers import make_twins, tiny_config_dict, write_tiny_gguf
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -39,14 +37,7 @@ def test_int8_is_a_kv_cache_dtype():
 
 
 def test_int8_holds_1_88x_the_blocks_of_float16_in_the_same_budget(tmp_path):
-    config_dict = tiny_config_dict()
-    _, model = make_twins(config_dict)
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(str(path), config_dict, tree_flatten(model.parameters()))
-    caches = {}
-    for name in ("float16", "int8"):
-        config = EngineConfig(model=str(path), kv_cache_bytes=1 << 20, block_size=4, kv_cache_dtype=name)
-        caches[name] = ModelRunner.load(config).kv_cache
+    caches = kv_caches_in_one_budget(tmp_path, ("float16", "int8"))
     half, q8 = caches["float16"], caches["int8"]
     assert q8.dtype == mx.int8 and q8.bytes <= 1 << 20 and q8.row_width == quantized.row_width(q8.head_dim)
     per_block = PagedKVCache.bytes_per_block(q8.num_layers, 4, q8.n_kv_heads, q8.head_dim, mx.int8)
