@@ -30,17 +30,24 @@ from kernels import ext
 from kernels.backend import activation_backend
 from kernels.runtime import mx
 
-__all__ = ["argmax_fn", "has_argmax_kernel", "logsumexp_fn", "sample_full_fn"]
+__all__ = ["argmax_fn", "has_argmax_kernel", "logsumexp_fn", "reference_logsumexp", "sample_full_fn"]
 
 Argmax = Callable[[mx.array], mx.array]
 # logits (R, V) float32, scale (R,), log2_min_p (R,), uniforms (R,) float32 -> tokens (R,) int32
 SampleFull = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
 
 
+def _kernel(name: str, backend: str | None):
+    """The extension's `name` kernel where `backend` ("kernel" | "reference", None: activation_backend())
+    runs kernels and the loaded build has it (a build that predates it lacks it); else None."""
+    backend = activation_backend() if backend is None else backend
+    module = ext.load() if backend == "kernel" else None
+    return getattr(module, name, None) if module is not None else None
+
+
 def has_argmax_kernel() -> bool:
-    """True when the loaded extension has the argmax kernel (a build that predates it lacks it)."""
-    module = ext.load()
-    return module is not None and hasattr(module, "argmax_rows")
+    """True when the loaded extension has the argmax kernel."""
+    return _kernel("argmax_rows", "kernel") is not None
 
 
 def _reference(x: mx.array) -> mx.array:
@@ -50,10 +57,9 @@ def _reference(x: mx.array) -> mx.array:
 def argmax_fn(backend: str | None = None) -> Argmax:
     """x (..., V) -> (...) uint32, the index of each row's maximum, as mx.argmax(x, axis=-1).
     `backend`: "kernel" | "reference" (None: activation_backend())."""
-    backend = activation_backend() if backend is None else backend
-    if backend != "kernel" or not has_argmax_kernel():
+    kernel = _kernel("argmax_rows", backend)
+    if kernel is None:
         return _reference
-    kernel = ext.load().argmax_rows
 
     def argmax(x: mx.array) -> mx.array:
         if x.dtype == mx.float32 and x.ndim >= 1 and x.shape[-1] >= 1:
@@ -66,26 +72,26 @@ def argmax_fn(backend: str | None = None) -> Argmax:
 def sample_full_fn(backend: str | None = None) -> SampleFull | None:
     """The full-vocabulary sampling kernel (see the module docstring), or None where the MLX ops run: the
     reference backend, no kernel in the build. It takes float32 logits only (the caller checks)."""
-    backend = activation_backend() if backend is None else backend
-    module = ext.load() if backend == "kernel" else None
-    return getattr(module, "sample_full_rows", None) if module is not None else None
+    return _kernel("sample_full_rows", backend)
 
 
-def _reference_logsumexp(x: mx.array) -> mx.array:
+LOG2E = 1.4426950408889634  # exp(z) as 2**(z*log2 e): same float32 accuracy, ~3x faster on MLX CPU
+
+
+def reference_logsumexp(x: mx.array) -> mx.array:
+    """x (R, V) -> (R,) in MLX ops (exp as 2^(x log2 e): MLX's CPU exp is slower)."""
     top = x.max(axis=-1, keepdims=True)  # (R, 1)
-    return (top + mx.log(mx.exp(x - top).sum(axis=-1, keepdims=True)))[:, 0]  # (R,)
+    return (top + mx.log(mx.power(2.0, (x - top) * LOG2E).sum(axis=-1, keepdims=True)))[:, 0]  # (R,)
 
 
 def logsumexp_fn(backend: str | None = None) -> Callable[[mx.array], mx.array]:
     """x (R, V) -> (R,) float32 log(sum(exp(x))) per row: the kernel on float32 input where the backend
     has it, else MLX's ops."""
-    backend = activation_backend() if backend is None else backend
-    module = ext.load() if backend == "kernel" else None
-    kernel = getattr(module, "logsumexp_rows", None) if module is not None else None
+    kernel = _kernel("logsumexp_rows", backend)
     if kernel is None:
-        return _reference_logsumexp
+        return reference_logsumexp
 
     def logsumexp(x: mx.array) -> mx.array:
-        return kernel(x) if x.dtype == mx.float32 and x.ndim == 2 and x.shape[-1] >= 1 else _reference_logsumexp(x)
+        return kernel(x) if x.dtype == mx.float32 and x.ndim == 2 and x.shape[-1] >= 1 else reference_logsumexp(x)
 
     return logsumexp

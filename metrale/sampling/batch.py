@@ -23,10 +23,10 @@ from typing import Protocol
 import numpy as np
 
 from kernels.runtime import mx
+from kernels.sampling import LOG2E
 from metrale.sampling_params import SamplingParams
 
 TOP_P_CANDIDATES = 256  # candidates a top_p row without top_k starts from (x8 while too few)
-LOG2E = 1.4426950408889634  # exp(z) as 2**(z*log2 e): same float32 accuracy, ~3x faster on MLX CPU
 _MASK64 = (1 << 64) - 1
 
 

@@ -6,19 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kernels.runtime import mx
+from kernels.sampling import reference_logsumexp
 from metrale.outputs import TokenLogprob
-from metrale.sampling.batch import LOG2E, SamplingBatch, index_array, row_index
+from metrale.sampling.batch import SamplingBatch, index_array, row_index
 from metrale.sampling.ops import largest, select
 
 
-def _logsumexp(raw: mx.array) -> mx.array:
-    """raw (L, V) -> (L,) log(sum(exp(raw))) in MLX ops (exp as 2^(x log2 e): MLX's CPU exp is slower)."""
-    top = raw.max(axis=-1, keepdims=True)  # (L, 1)
-    return (top + mx.log(mx.power(2.0, (raw - top) * LOG2E).sum(axis=-1, keepdims=True)))[:, 0]  # (L,)
-
-
 def logprob_arrays(logits: mx.array, tokens: mx.array, batch: SamplingBatch,
-                   logsumexp: Callable[[mx.array], mx.array] = _logsumexp) -> tuple[mx.array, ...]:
+                   logsumexp: Callable[[mx.array], mx.array] = reference_logsumexp) -> tuple[mx.array, ...]:
     """Raw log_softmax at the sampled token, plus the top-n ids and logprobs, for logprob rows.
     `logsumexp`: (L, V) -> (L,) (the sampler passes kernels.sampling's)."""
     rows = index_array(batch.logprob_rows)
