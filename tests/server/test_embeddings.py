@@ -151,11 +151,17 @@ async def test_truncate_prompt_tokens_keeps_the_end_of_a_text_longer_than_the_co
     await clean(engine)
 
 
-async def test_ollama_embed_tokenizes_many_inputs_on_the_tokenize_thread(app, engine, monkeypatch):  # noqa: F811
+def record_encode_threads(engine, monkeypatch) -> list[str]:
+    """The names of the threads the engine's tokenizer encodes on, in call order (filled as it runs)."""
     threads: list[str] = []
     real_encode = engine.tokenizer.encode
     monkeypatch.setattr(engine.tokenizer, "encode",
                         lambda *a, **k: threads.append(threading.current_thread().name) or real_encode(*a, **k))
+    return threads
+
+
+async def test_ollama_embed_tokenizes_many_inputs_on_the_tokenize_thread(app, engine, monkeypatch):  # noqa: F811
+    threads = record_encode_threads(engine, monkeypatch)
     texts = [f"text {i} " + "lorem ipsum " * 50 for i in range(40)]  # > OFF_LOOP_PROMPT_CHARS in all, each short
     assert sum(map(len, texts)) > submission.OFF_LOOP_PROMPT_CHARS
     r = await call(app, "POST", "/api/embed", {"model": engine.model_name, "input": texts})
@@ -165,10 +171,7 @@ async def test_ollama_embed_tokenizes_many_inputs_on_the_tokenize_thread(app, en
 
 
 async def test_ollama_embed_bounds_the_input_count_before_any_work(app, engine, monkeypatch):  # noqa: F811
-    threads: list[str] = []
-    real_encode = engine.tokenizer.encode
-    monkeypatch.setattr(engine.tokenizer, "encode",
-                        lambda *a, **k: threads.append(threading.current_thread().name) or real_encode(*a, **k))
+    threads = record_encode_threads(engine, monkeypatch)
     steps = engine.stats().num_steps
     r = await call(app, "POST", "/api/embed", {"model": engine.model_name, "input": ["x"] * (MAX_EMBED_INPUTS + 1)})
     assert r.status == 400 and f"at most {MAX_EMBED_INPUTS} inputs" in r.json()["error"]
