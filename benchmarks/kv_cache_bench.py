@@ -1,5 +1,6 @@
 """The KV cache's dtype and long contexts, at the attention op: bytes per token, prefill chunk attention
-and decode attention per layer, float32 vs 16-bit vs int8 (q8 rows) pools, the gathered matmul path vs the paged prefill kernel.
+and decode attention per layer, float32 vs 16-bit vs int8 (q8 rows) pools, the gathered matmul path vs the
+paged prefill kernel.
 
     .venv/bin/python benchmarks/kv_cache_bench.py                       # 135M and 1B shapes
     .venv/bin/python benchmarks/kv_cache_bench.py --shapes 135m --contexts 512 8192 --repeat 5
