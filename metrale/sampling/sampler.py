@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.sampling import argmax_fn, logsumexp_fn, sample_full_fn
+from kernels.sampling import argmax_fn, logsumexp_fn, sample_candidates_fn, sample_full_fn, top_ids_fn
 from kernels.runtime import mx
 from metrale.outputs import TokenLogprob
 from metrale.sampling import ops
@@ -69,6 +69,8 @@ class Sampler:
         self._builder = BatchBuilder(vocab_size, self.eos_token_ids, seed)
         self._argmax = argmax_fn(backend)  # (..., V) -> (...) uint32, as mx.argmax(x, axis=-1)
         self._sample_full = sample_full_fn(backend)  # None: the MLX ops of ops.sample_full
+        self._sample_candidates = sample_candidates_fn(backend)  # None: ops.sample_candidates' MLX ops
+        self._top_ids = top_ids_fn(backend)  # None: ops.largest's MLX ops
         self._logsumexp = logsumexp_fn(backend)  # (L, V) -> (L,), the raw logprobs' normalizer
 
     def prepare(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
@@ -97,13 +99,13 @@ class Sampler:
         if batch.full is not None:
             parts.append(ops.sample_full(x, batch.full, self._argmax, self._sample_full))  # (F,)
         if batch.candidates is not None:
-            parts.append(ops.sample_candidates(x, batch.candidates, self.vocab_size))  # (C,)
+            parts.append(ops.sample_candidates(x, batch.candidates, self.vocab_size, self._sample_candidates))  # (C,)
         tokens = mx.concatenate(parts) if len(parts) > 1 else parts[0]  # (S,) in group order
         if batch.inverse_order is not None:
             tokens = tokens[batch.inverse_order]  # (S,) in row order
         if not batch.logprob_rows:
             return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
-        arrays = logprob_arrays(logits, tokens, batch, self._logsumexp)
+        arrays = logprob_arrays(logits, tokens, batch, self._logsumexp, self._top_ids)
         mx.eval(tokens, *arrays)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, logprob_lists(batch, token_ids, *arrays))
