@@ -170,10 +170,9 @@ void SampleCandidateRows::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
     const int32_t* top_k = in[3].data<int32_t>();
     const float *top_p = in[4].data<float>(), *u = in[5].data<float>();
     const int width = rows * V < kMinParallelElements ? 1 : static_cast<int>(std::min<int64_t>(num_threads(), rows));
-    std::vector<CandidateScratch> scratch(width, CandidateScratch(V));
-    parallel_for(static_cast<int>(rows), width, [&](int row, int me) {
+    parallel_for(static_cast<int>(rows), width, [&](int row, int) {
       const CandidateParams p{scale[row], log2_min_p[row], top_k[row], top_p[row], u[row]};
-      o[row] = sample_candidate_row(kernels, xp + row * V, V, p, scratch[me]);
+      o[row] = sample_candidate_row(kernels, xp + row * V, V, p, thread_scratch(V));
     });
   });
 }
@@ -197,10 +196,8 @@ void TopIdsRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     const auto& kernels = cpu_kernels();
     const float* xp = xin.data<float>();
     const int width = rows * V < kMinParallelElements ? 1 : static_cast<int>(std::min<int64_t>(num_threads(), rows));
-    std::vector<std::vector<float>> block_max(width);
-    std::vector<std::vector<int32_t>> found(width);
-    parallel_for(static_cast<int>(rows), width, [&](int row, int me) {
-      top_ids_row(kernels, xp + row * V, V, n, o + row * n, block_max[me], found[me]);
+    parallel_for(static_cast<int>(rows), width, [&](int row, int) {
+      top_ids_row(kernels, xp + row * V, V, n, o + row * n, thread_scratch(V));
     });
   });
 }

@@ -120,43 +120,41 @@ int32_t pick_in_order(const RowView& r, const std::vector<int32_t>& order, const
   return order.front();
 }
 
-// out = the indices that gather(buffer of room V) writes, without zero-filling V entries first (a vector's
-// resize would: 0.5 MB per row of a 128k vocabulary).
+// out = the indices that gather(s.gather()) writes (a vector's resize would zero-fill V entries first).
 template <typename Gather>
-void gathered_into(std::vector<int32_t>& out, int64_t V, const Gather& gather) {
-  thread_local std::unique_ptr<int32_t[]> buffer;
-  thread_local int64_t capacity = 0;
-  if (capacity < V) buffer.reset(new int32_t[V]), capacity = V;
-  const int64_t n = gather(buffer.get());
-  out.assign(buffer.get(), buffer.get() + n);
+void gathered_into(std::vector<int32_t>& out, CandidateScratch& s, const Gather& gather) {
+  const int64_t n = gather(s.gather());
+  out.assign(s.gather(), s.gather() + n);
 }
 
 // Blocks for a bound that at least k values reach: the k-th largest block maximum (k blocks reach it).
 int64_t block_for(int64_t V, int64_t k) { return std::clamp<int64_t>(V / (4 * k), 1, 64); }
 
 // The indices of the values of x >= the k-th largest block maximum (every value where the row has fewer than
-// k blocks with a number), ascending, into `found`.
-void at_least_kth_block(const KernelTable& kernels, const float* x, int64_t V, int64_t k, std::vector<float>& block_max,
-                        std::vector<int32_t>& found) {
+// k blocks with a number), ascending, into `found`. Returns the row's largest number (-inf: none).
+float at_least_kth_block(const KernelTable& kernels, const float* x, int64_t V, int64_t k, CandidateScratch& s,
+                         std::vector<int32_t>& found) {
+  std::vector<float>& block_max = s.block_max;
   const int64_t block = block_for(V, k), blocks = (V + block - 1) / block;
   block_max.resize(blocks);
   kernels.block_maxima(x, V, block, block_max.data());
+  const float largest = *std::max_element(block_max.begin(), block_max.end());
   float bound = -kInf;
   if (blocks >= k) {
     std::nth_element(block_max.begin(), block_max.begin() + (k - 1), block_max.end(), std::greater<float>());
     bound = block_max[k - 1];
   }
-  gathered_into(found, V, [&](int32_t* out) { return kernels.gather_at_least(x, V, bound, out); });
+  gathered_into(found, s, [&](int32_t* out) { return kernels.gather_at_least(x, V, bound, out); });
+  return largest;
 }
 
-// top_k rows: the k-th largest logit among the values at or above a block bound, its y the threshold (a
-// plateau of y reaching below the bound: every value's y), the survivors' q, then pick_in_order.
-int32_t sample_top_k(const KernelTable& kernels, const float* x, int64_t V, float m, float floor,
-                     const CandidateParams& p, CandidateScratch& s) {
+// top_k rows (`found`: at_least_kth_block's values, m the largest number): the k-th largest logit among them,
+// its y the threshold (a plateau of y reaching below the bound: every value's y), the survivors' q, then
+// pick_in_order.
+int32_t sample_top_k(const float* x, int64_t V, float m, float floor, const CandidateParams& p, CandidateScratch& s) {
   std::vector<int32_t>& found = s.set;
-  at_least_kth_block(kernels, x, V, p.top_k, s.block_max, found);
-  float* y = s.y.data();  // y and q of the found values only (block maxima are done with)
-  float* q = s.q.data();
+  float* y = s.y();  // y and q of the found values only
+  float* q = s.q();
   for (const int32_t i : found) y[i] = (x[i] - m) * p.scale;
   const RowView r{x, y, q};
   float threshold = floor;
@@ -189,7 +187,7 @@ Found find_in_row(const KernelTable& kernels, const RowView& r, int64_t V, const
                   double t, CandidateScratch& s) {
   double ahead = 0.0;
   const int b = cut_bucket(w, kSelectBuckets, t, ahead);
-  gathered_into(s.set, V, [&](int32_t* out) { return kernels.gather_bucket(bucket, V, b, out); });
+  gathered_into(s.set, s, [&](int32_t* out) { return kernels.gather_bucket(bucket, V, b, out); });
   Found found = find_in(r, s.set, s.spare, true, t - ahead);
   found.before += ahead;
   return found;
@@ -200,39 +198,64 @@ int32_t sample_nucleus(const KernelTable& kernels, const float* x, int64_t V, fl
                        const CandidateParams& p, CandidateScratch& s) {
   double masses[kSelectBuckets];
   const float inv = floor < 0.0f ? kSelectBuckets / -floor : 0.0f;
-  kernels.candidate_masses(x, V, m, p.scale, floor, inv, s.y.data(), s.q.data(), s.bucket.data(), masses);
-  const RowView r{x, s.y.data(), s.q.data()};
+  kernels.candidate_masses(x, V, m, p.scale, floor, inv, s.y(), s.q(), s.bucket(), masses);
+  const RowView r{x, s.y(), s.q()};
   double total = 0.0;
   for (const double mass : masses) total += mass;
   double kept = total;
   if (p.top_p < 1.0f) {
-    const Found end = find_in_row(kernels, r, V, s.bucket.data(), masses, p.top_p * total, s);
+    const Found end = find_in_row(kernels, r, V, s.bucket(), masses, p.top_p * total, s);
     kept = end.before + r.q[end.index];
   }
-  return find_in_row(kernels, r, V, s.bucket.data(), masses, p.u * kept, s).index;
+  return find_in_row(kernels, r, V, s.bucket(), masses, p.u * kept, s).index;
 }
 
 }  // namespace
 
-int32_t sample_candidate_row(const KernelTable& kernels, const float* x, int64_t V, const CandidateParams& p,
-                             CandidateScratch& s) {
-  const ArgmaxPart best = kernels.argmax_range(x, 0, V);
-  int64_t mode = best.index;
-  float m = best.value;
-  if (best.first_nan >= 0) {  // the largest number (the reference's order puts NaN last)
-    mode = -1;
-    for (int64_t i = 0; i < V; ++i)
-      if (x[i] == x[i] && (mode < 0 || x[i] > m)) m = x[i], mode = i;
-    if (mode < 0) return 0;
-  }
-  if (!(m - m == 0.0f)) return static_cast<int32_t>(mode);  // +inf or a row of -inf
-  const float floor = std::max(p.log2_min_p, -126.0f);
-  return p.top_k > 0 ? sample_top_k(kernels, x, V, m, floor, p, s) : sample_nucleus(kernels, x, V, m, floor, p, s);
+void CandidateScratch::reserve(int64_t V) {
+  if (V <= capacity_) return;
+  y_.reset(new float[V]);
+  q_.reset(new float[V]);
+  bucket_.reset(new uint16_t[V]);
+  gather_.reset(new int32_t[V]);
+  capacity_ = V;
 }
 
-void top_ids_row(const KernelTable& kernels, const float* x, int64_t V, int n, int32_t* ids,
-                 std::vector<float>& block_max, std::vector<int32_t>& found) {
-  at_least_kth_block(kernels, x, V, n, block_max, found);
+CandidateScratch& thread_scratch(int64_t V) {
+  thread_local CandidateScratch scratch;
+  scratch.reserve(V);
+  return scratch;
+}
+
+// The index of the row's largest number (the reference's order puts NaN last; the first on ties) and the
+// number, in m; -1 for a row of NaN.
+int64_t largest_number(const KernelTable& kernels, const float* x, int64_t V, float& m) {
+  const ArgmaxPart best = kernels.argmax_range(x, 0, V);
+  m = best.value;
+  if (best.first_nan < 0) return best.index;
+  int64_t mode = -1;
+  for (int64_t i = 0; i < V; ++i)
+    if (x[i] == x[i] && (mode < 0 || x[i] > m)) m = x[i], mode = i;
+  return mode;
+}
+
+int32_t sample_candidate_row(const KernelTable& kernels, const float* x, int64_t V, const CandidateParams& p,
+                             CandidateScratch& s) {
+  const float floor = std::max(p.log2_min_p, -126.0f);
+  float m = -kInf;
+  if (p.top_k > 0) {
+    m = at_least_kth_block(kernels, x, V, p.top_k, s, s.set);
+    if (m - m == 0.0f) return sample_top_k(x, V, m, floor, p, s);
+  }
+  const int64_t mode = largest_number(kernels, x, V, m);
+  if (mode < 0) return 0;
+  if (!(m - m == 0.0f)) return static_cast<int32_t>(mode);  // +inf or a row of -inf: the reference's top candidate
+  return sample_nucleus(kernels, x, V, m, floor, p, s);
+}
+
+void top_ids_row(const KernelTable& kernels, const float* x, int64_t V, int n, int32_t* ids, CandidateScratch& s) {
+  std::vector<int32_t>& found = s.set;
+  at_least_kth_block(kernels, x, V, n, s, found);
   const size_t take = std::min<size_t>(found.size(), n);
   std::partial_sort(found.begin(), found.begin() + take, found.end(),
                     [x](int32_t a, int32_t b) { return x[a] != x[b] ? x[a] > x[b] : a < b; });

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernel_table.h"
@@ -40,20 +41,32 @@ struct CandidateParams {
   float u;           // the row's uniform in (0, 1)
 };
 
-// Per-thread buffers of sample_candidate_row, sized for rows of V logits.
-struct CandidateScratch {
-  explicit CandidateScratch(int64_t V) : y(V), q(V), bucket(V) {}
-  std::vector<float> y, q, block_max;
-  std::vector<uint16_t> bucket;
+// Buffers of one thread's rows, grown to V logits and kept (not zero-filled, never shrunk): a pool thread
+// holds ~14 bytes per vocabulary entry (1.8 MB at 128256) between steps.
+class CandidateScratch {
+ public:
+  void reserve(int64_t V);
+  float* y() { return y_.get(); }
+  float* q() { return q_.get(); }
+  uint16_t* bucket() { return bucket_.get(); }
+  int32_t* gather() { return gather_.get(); }  // room for V indices
+  std::vector<float> block_max;
   std::vector<int32_t> set, spare;
+
+ private:
+  std::unique_ptr<float[]> y_, q_;
+  std::unique_ptr<uint16_t[]> bucket_;
+  std::unique_ptr<int32_t[]> gather_;
+  int64_t capacity_ = 0;
 };
+
+// The calling thread's scratch, reserved for V.
+CandidateScratch& thread_scratch(int64_t V);
 
 int32_t sample_candidate_row(const KernelTable& kernels, const float* x, int64_t V, const CandidateParams& p,
                              CandidateScratch& scratch);
 
-// ids (n,) int32: the indices of the n largest values of x (V,), n <= V. `block_max` and `found` are
-// per-thread buffers.
-void top_ids_row(const KernelTable& kernels, const float* x, int64_t V, int n, int32_t* ids,
-                 std::vector<float>& block_max, std::vector<int32_t>& found);
+// ids (n,) int32: the indices of the n largest values of x (V,), n <= V.
+void top_ids_row(const KernelTable& kernels, const float* x, int64_t V, int n, int32_t* ids, CandidateScratch& scratch);
 
 }  // namespace metrale
