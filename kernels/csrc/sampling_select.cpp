@@ -24,7 +24,7 @@ struct RowView {
 
 struct Found {
   int32_t index;  // the element
-  double before;  // the weight ahead of it in descending order
+  double before;  // the mass ahead of it in descending order
 };
 
 // The sampling order: y desc, then x desc (values that round to one y), then index asc.
@@ -36,8 +36,6 @@ struct Descending {
     return a < b;
   }
 };
-
-double weight(const RowView& r, bool by_mass, int32_t i) { return by_mass ? r.q[i] : 1.0; }
 
 // The first bucket with weight whose running weight reaches t; where rounding leaves the total short of t,
 // the last bucket with weight. `before` gets the weight ahead of it. -1 when no bucket has weight.
@@ -57,10 +55,10 @@ int cut_bucket(const double* w, int n, double t, double& before) {
   return last;
 }
 
-// The element of `set` (finite y, with weight) where the running weight in descending order first reaches t,
-// and the weight ahead of it within `set`; where rounding leaves `set` short of t, its last element. Narrows
+// The element of `set` (y >= floor: q > 0) where the running mass in descending order first reaches t,
+// and the mass ahead of it within `set`; where rounding leaves `set` short of t, its last element. Narrows
 // `set` by histograms over its y range until it is small or of one y, then sorts it.
-Found find_in(const RowView& r, std::vector<int32_t>& set, std::vector<int32_t>& spare, bool by_mass, double t) {
+Found find_in(const RowView& r, std::vector<int32_t>& set, std::vector<int32_t>& spare, double t) {
   double before = 0.0;
   while (set.size() > kLeafSize) {
     float hi = -kInf, lo = kInf;
@@ -70,9 +68,11 @@ Found find_in(const RowView& r, std::vector<int32_t>& set, std::vector<int32_t>&
     }
     if (hi == lo) break;
     const double inv = kBuckets / (static_cast<double>(hi) - lo);
-    const auto bucket = [&](int32_t i) { return std::min(kBuckets - 1, static_cast<int>((hi - static_cast<double>(r.y[i])) * inv)); };
+    const auto bucket = [&](int32_t i) {
+      return std::min(kBuckets - 1, static_cast<int>((hi - static_cast<double>(r.y[i])) * inv));
+    };
     double w[kBuckets] = {};
-    for (const int32_t i : set) w[bucket(i)] += weight(r, by_mass, i);
+    for (const int32_t i : set) w[bucket(i)] += r.q[i];
     double ahead = 0.0;
     const int b = cut_bucket(w, kBuckets, t, ahead);
     if (b < 0) break;
@@ -87,7 +87,7 @@ Found find_in(const RowView& r, std::vector<int32_t>& set, std::vector<int32_t>&
   double cum = 0.0, last_before = 0.0;
   int32_t last = set.empty() ? 0 : set.front();
   for (const int32_t i : set) {
-    const double wi = weight(r, by_mass, i);
+    const double wi = r.q[i];
     if (wi <= 0.0) continue;
     if (cum + wi >= t) return {i, before + cum};
     last = i;
@@ -188,7 +188,7 @@ Found find_in_row(const KernelTable& kernels, const RowView& r, int64_t V, const
   double ahead = 0.0;
   const int b = cut_bucket(w, kSelectBuckets, t, ahead);
   gathered_into(s.set, s, [&](int32_t* out) { return kernels.gather_bucket(bucket, V, b, out); });
-  Found found = find_in(r, s.set, s.spare, true, t - ahead);
+  Found found = find_in(r, s.set, s.spare, t - ahead);
   found.before += ahead;
   return found;
 }

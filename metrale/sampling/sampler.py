@@ -2,8 +2,8 @@
 
 The runner builds a `SamplingBatch` from the step's rows once (`Sampler.prepare`, plain Python in,
 arrays out), then calls `Sampler.sample(logits, batch)`; both run on the MLX thread and the result
-comes back as Python ints after one evaluation (two in a step with a top_p row whose nucleus may
-reach past its candidates, see below). Rows are split on the host by the work they need:
+comes back as Python ints after one evaluation (with the MLX ops, two in a step with a top_p row whose
+nucleus may reach past its candidates, see below). Rows are split on the host by the work they need:
 
     logits (S, V) -> bitmask (grammars, allowed_token_ids), bans (min_tokens, bad words), logit_bias,
                      penalties: each only in steps that have it
@@ -14,7 +14,10 @@ reach past its candidates, see below). Rows are split on the host by the work th
     tokens (S,) = concat(greedy, full, candidate)[inverse_order]
 
 Order of processing as in vLLM: allowed tokens -> bans -> logit_bias -> penalties -> temperature ->
-min_p and top_k -> top_p -> sample. Values tied with the k-th survive top_k. A top_p row without top_k
+min_p and top_k -> top_p -> sample. Values tied with the k-th survive top_k. On the CPU with the kernels
+built (backend "kernel"), the argmax, the full-vocabulary rows, the candidate rows and the logprobs' top-n
+and normalizer are kernels.sampling's one-node kernels (the candidate rows by O(V) selection, no K and no
+retry); metrale.sampling.ops' MLX ops are the reference backend. With those, a top_p row without top_k
 starts from TOP_P_CANDIDATES candidates; a row whose nucleus is larger (rare) is re-run with 8x as many,
 up to the whole vocabulary (checking costs one small host sync in steps that have such rows).
 
