@@ -186,13 +186,22 @@ inline void block_maxima(const float* x, int64_t V, int64_t block, float* out) {
     int64_t i = begin;
     float best = -__builtin_inff();
     if (end - begin >= kW) {
-      v8f acc = v8f{} - __builtin_inff();
+      v8f acc[4] = {v8f{} - __builtin_inff(), v8f{} - __builtin_inff(), v8f{} - __builtin_inff(),
+                    v8f{} - __builtin_inff()};  // 4 chains: the maxima do not wait on each other
+      for (; i + 4 * kW <= end; i += 4 * kW) {
+        for (int a = 0; a < 4; ++a) {
+          v8f v;
+          std::memcpy(&v, x + i + a * kW, sizeof(v));
+          acc[a] = v > acc[a] ? v : acc[a];
+        }
+      }
       for (; i + kW <= end; i += kW) {
         v8f v;
         std::memcpy(&v, x + i, sizeof(v));
-        acc = v > acc ? v : acc;
+        acc[0] = v > acc[0] ? v : acc[0];
       }
-      for (int l = 0; l < kW; ++l) best = acc[l] > best ? acc[l] : best;
+      for (int a = 1; a < 4; ++a) acc[0] = acc[a] > acc[0] ? acc[a] : acc[0];
+      for (int l = 0; l < kW; ++l) best = acc[0][l] > best ? acc[0][l] : best;
     }
     for (; i < end; ++i) best = x[i] > best ? x[i] : best;
     out[b] = best;

@@ -234,3 +234,24 @@ def test_a_llama3_sized_batch_samples_the_same_tokens_with_either_backend():
             assert [t for t, _ in got.top] == [t for t, _ in want.top]
             # the reference's float32 normalizer is ~5e-4 off at V = 128256 (the kernel's: ~1e-6)
             np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want.top], atol=2e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", [  # temperature, min_p, top_k, top_p, spread of the logits
+    (1.0, 0.0, 5000, 1.0, 1.0),   # k > V / 256: smaller blocks for the bound
+    (1.0, 0.0, 19999, 0.9, 1.0),
+    (1.0, 1.0, 0, 0.9, 1.0),      # min_p 1: only the maximum has mass
+    (0.01, 0.0, 0, 0.9, 1.0), (0.01, 0.0, 40, 0.9, 1.0), (100.0, 0.0, 0, 0.99, 1.0),
+    (1.0, 0.0, 0, 0.9, 1e-6), (1.0, 0.0, 5, 0.9, 1e-6),  # nearly equal logits: one bucket, values of one y
+    (1.0, 0.5, 100, 0.3, 3.0),
+], ids=str)
+def test_large_k_extreme_temperatures_and_nearly_equal_logits(case):
+    temperature, min_p, top_k, top_p, spread = case
+    rng = np.random.default_rng(top_k)
+    x = (rng.standard_normal((6, 20000)) * spread).astype(np.float32)
+    uniforms = rng.uniform(0.001, 0.999, 6)
+    got = run_kernel(x, temperature, min_p, top_k, top_p, uniforms)
+    for i in range(len(x)):
+        token, margin = rule(x[i], temperature, min_p, top_k, top_p, float(uniforms[i]))
+        if margin > MARGIN:
+            assert got[i] == token, i
