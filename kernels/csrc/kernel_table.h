@@ -141,8 +141,8 @@ struct KernelTable {
   void (*add_rms_norm_rows)(const float* x, const float* residual, const float* w, float* h, float* out, int64_t r0,
                             int64_t r1, int D, float eps, float w_offset);
   // the scans of top_k / top_p sampling and top-n logprobs over one row (sampling_kernel.h)
-  void (*candidate_masses)(const float* x, int64_t V, float m, float scale, float floor, float inv, float* y, float* q,
-                           uint16_t* bucket, double* masses);
+  double (*candidate_masses)(const float* x, int64_t V, float m, float scale, float floor, float inv, float* y,
+                             float* q, uint16_t* bucket, double* masses);
   void (*block_maxima)(const float* x, int64_t V, int64_t block, float* out);
   int64_t (*gather_at_least)(const float* x, int64_t V, float bound, int32_t* out);
   int64_t (*gather_bucket)(const uint16_t* bucket, int64_t V, int b, int32_t* out);

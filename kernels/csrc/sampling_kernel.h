@@ -147,8 +147,28 @@ inline int32_t sample_full_row(const float* x, int64_t V, float scale, float log
 // y_i >= floor (floor >= -126), else 0 (a NaN logit: y NaN, q 0), and bucket_i = min(kSelectBuckets - 1,
 // int(-y_i * inv)) for y_i >= floor, else kSelectBuckets; masses[b] (kSelectBuckets doubles) gets the sum of q
 // over bucket b (4 interleaved histograms: consecutive values in one bucket do not wait on each other).
-inline void candidate_masses(const float* x, int64_t V, float m, float scale, float floor, float inv, float* y,
-                             float* q, uint16_t* bucket, double* masses) {
+// Returns the sum of q. With y, q, bucket and masses null, only the sum (no store, no histogram).
+inline double candidate_masses(const float* x, int64_t V, float m, float scale, float floor, float inv, float* y,
+                               float* q, uint16_t* bucket, double* masses) {
+  if (masses == nullptr) {
+    double total = 0.0;  // blocks of 512 values in 8 float lanes, the blocks in double
+    for (int64_t i = 0; i < V;) {
+      v8f acc = {};
+      for (const int64_t end = min_of(V, i + 512); i < end; i += kW) {
+        const int n = static_cast<int>(min_of<int64_t>(kW, V - i));
+        v8f v;
+        if (n == kW) {
+          std::memcpy(&v, x + i, sizeof(v));
+        } else {
+          for (int j = 0; j < kW; ++j) v[j] = j < n ? x[i + j] : -__builtin_inff();
+        }
+        const v8f yv = (v - m) * scale;
+        acc += yv >= floor ? exp8(yv * 0.693147180559945f) : v8f{};
+      }
+      total += hsum(acc);
+    }
+    return total;
+  }
   double hist[4][kSelectBuckets] = {};
   for (int64_t i = 0; i < V; i += kW) {
     const int n = static_cast<int>(min_of<int64_t>(kW, V - i));
@@ -175,7 +195,12 @@ inline void candidate_masses(const float* x, int64_t V, float m, float scale, fl
       if (k < kSelectBuckets) hist[j & 3][k] += q[i + j];
     }
   }
-  for (int k = 0; k < kSelectBuckets; ++k) masses[k] = (hist[0][k] + hist[1][k]) + (hist[2][k] + hist[3][k]);
+  double total = 0.0;
+  for (int k = 0; k < kSelectBuckets; ++k) {
+    masses[k] = (hist[0][k] + hist[1][k]) + (hist[2][k] + hist[3][k]);
+    total += masses[k];
+  }
+  return total;
 }
 
 // block_maxima: out[b] = the largest non-NaN value of x[b * block, (b + 1) * block) (-inf: none).

@@ -193,15 +193,49 @@ Found find_in_row(const KernelTable& kernels, const RowView& r, int64_t V, const
   return found;
 }
 
-// top_p rows without top_k: the nucleus's end and the token, each found by masses.
+// A nucleus inside the largest kNucleusCandidates values (a peaked row: a real model at temperature < 1) is
+// found by sorting those; a wider one (flat logits) by the histograms.
+constexpr int64_t kNucleusCandidates = 256;
+
+// The nucleus's token from the values at or above the kNucleusCandidates-th block bound (a prefix of the
+// descending order), where their mass reaches top_p * total; -1 where it does not.
+int32_t sample_peaked_nucleus(const KernelTable& kernels, const float* x, int64_t V, float m, float floor,
+                              const CandidateParams& p, double total, CandidateScratch& s) {
+  std::vector<int32_t>& found = s.set;
+  at_least_kth_block(kernels, x, V, std::min(V, kNucleusCandidates), s, found);
+  float *y = s.y(), *q = s.q();
+  for (const int32_t i : found) {
+    y[i] = (x[i] - m) * p.scale;
+    q[i] = y[i] >= floor ? std::exp2(y[i]) : 0.0f;
+  }
+  const RowView r{x, y, q};
+  std::sort(found.begin(), found.end(), Descending{&r});
+  const double cut = p.top_p * total;
+  double kept = 0.0;
+  size_t end = 0;
+  while (end < found.size() && kept < cut) kept += q[found[end++]];
+  if (kept < cut) return -1;
+  const double target = p.u * kept;
+  double running = 0.0;
+  for (size_t j = 0; j < end; ++j) {
+    running += q[found[j]];
+    if (running >= target && q[found[j]] > 0.0f) return found[j];
+  }
+  return found.front();
+}
+
+// top_p rows without top_k: the nucleus's end and the token, from the largest values or by the histograms.
 int32_t sample_nucleus(const KernelTable& kernels, const float* x, int64_t V, float m, float floor,
                        const CandidateParams& p, CandidateScratch& s) {
+  if (p.top_p < 1.0f) {
+    const double total = kernels.candidate_masses(x, V, m, p.scale, floor, 0.0f, nullptr, nullptr, nullptr, nullptr);
+    const int32_t token = sample_peaked_nucleus(kernels, x, V, m, floor, p, total, s);
+    if (token >= 0) return token;
+  }
   double masses[kSelectBuckets];
   const float inv = floor < 0.0f ? kSelectBuckets / -floor : 0.0f;
-  kernels.candidate_masses(x, V, m, p.scale, floor, inv, s.y(), s.q(), s.bucket(), masses);
+  const double total = kernels.candidate_masses(x, V, m, p.scale, floor, inv, s.y(), s.q(), s.bucket(), masses);
   const RowView r{x, s.y(), s.q()};
-  double total = 0.0;
-  for (const double mass : masses) total += mass;
   double kept = total;
   if (p.top_p < 1.0f) {
     const Found end = find_in_row(kernels, r, V, s.bucket(), masses, p.top_p * total, s);
