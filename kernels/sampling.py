@@ -15,15 +15,19 @@ mass is summed in another order (blocks of 64, see kernels/csrc/sampling_kernel.
 falls within float rounding of a token boundary may pick the neighbour; NaN logits get no mass.
 
 top_k / top_p sampling (sample_candidates_fn): metrale.sampling.ops.sample_candidates in one node, by O(V)
-selection (histograms of y = (x - max) * scale, see kernels/csrc/sampling_select.h) instead of MLX's partition
-and sort of the candidates: at (32, 128256) top_k rows took 13-23 ms and a top_p row without top_k whose
-nucleus passes its 256 candidates (flat logits, temperature >= 1) 360-450 ms (the whole vocabulary sorted).
-Ties with the k-th value all survive top_k (the reference keeps only those among its K candidates); ties in
-the descending order go lower index first; the nucleus is normalized by the whole vocabulary's mass summed
-in double (the reference: float32), so a uniform or top_p within float rounding of a token boundary may pick
-the neighbour. NaN logits get no mass and count after every number.
+selection (kernels/csrc/sampling_select.h: a bound from block maxima for top_k and for a peaked nucleus, a
+histogram of masses over y = (x - max) * scale for a wide one) instead of MLX's partition and sort of K
+candidates, and for a top_p row whose nucleus passes its 256 candidates (flat logits: random weights, or
+temperature >= 1) the x8 retries and the whole vocabulary's sort. Measured at (32, 128256) on this project's
+2 shared cores under load ~13 (benchmarks/sampler_bench.py --vocab 128256 --backends kernel,reference, medians):
+top_k 40 25 -> 16 ms, top_k 50 + top_p 0.9 26 -> 10 ms, top_p 0.9 LM-like 142 -> 24 ms, top_p 0.9 flat
+2444 -> 52 ms. Ties with the k-th value all survive top_k (the reference keeps only those among its K
+candidates); ties in the descending order go lower index first; the nucleus is normalized by the whole
+vocabulary's mass summed in double (the reference: float32), so a uniform or top_p within float rounding of a
+token boundary may pick the neighbour. NaN logits get no mass and count after every number.
 
-top-n ids (top_ids_fn): the raw logprobs' n largest per row (n <= 20), descending, ties lower index first.
+top-n ids (top_ids_fn): the raw logprobs' n largest per row (n <= 20), descending, ties lower index first (as
+ops.largest's stable sort where it sorts the whole row), NaN last: the same block bound, then a small sort.
 
 logsumexp (logsumexp_fn): the raw logprobs' normalizer per row, vectorized: ~60 ms of MLX ops at (32, 128256)
 -> ~1-2 ms; within float32 rounding of MLX's (a NaN where the row's maximum is not finite, as MLX's).
