@@ -1,7 +1,8 @@
 """The top_k / top_p sampling kernel (sample_candidates_rows) against a float64 statement of its rule and against
-metrale.sampling.ops' MLX reference, and the top-n ids kernel (top_ids_rows) against ops.largest: random rows,
-ties at the k-th value and at the top_p cut, -inf and NaN logits, k = 1 / k = V, top_p tiny / 1.0, min_p, and a
-whole 32 x 128256 batch through Sampler with either backend (skipped when the kernels are not built)."""
+metrale.sampling.ops' MLX reference, and the top-n ids kernel (top_ids_rows) against ops.largest, on every
+instruction set (the `isa` fixture): random rows, ties at the k-th value and at the top_p cut, -inf and NaN
+logits, k = 1 / k = V, top_p tiny / 1.0, min_p, large k, extreme temperatures; and a whole 32 x 128256 batch
+through Sampler with either backend (skipped when the kernels are not built)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ CASES = [  # temperature, min_p, top_k, top_p
 @needs_kernel
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("spread", [3.0, 0.3], ids=["peaked", "flat"])
-def test_random_rows_match_the_rule_and_the_reference(case, spread):
+def test_random_rows_match_the_rule_and_the_reference(isa, case, spread):
     temperature, min_p, top_k, top_p = case
     x = (np.random.default_rng(int(spread * 10) + top_k).standard_normal((48, 3000)) * spread).astype(np.float32)
     params = [SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p, seed=s) for s in range(48)]
@@ -119,7 +120,7 @@ def test_values_tied_with_the_kth_all_survive_in_index_order():
 
 @needs_kernel
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (0, 0.5), (40, 0.9), (7, 1.0), (1, 1.0)])
-def test_integer_logits_with_many_ties(top_k, top_p):
+def test_integer_logits_with_many_ties(isa, top_k, top_p):
     # top_p alone: V = 64 < its 256 candidates, so the reference sorts the whole row (stable): its ties go lower
     # index first, as the kernel's. With top_k the reference keeps only the ties among its K candidates: the rule.
     x = np.round(np.random.default_rng(top_k).standard_normal((64, 64)) * 2).astype(np.float32)
@@ -144,7 +145,7 @@ def test_a_tiny_top_p_keeps_the_first_of_the_tied_maxima():
 
 
 @needs_kernel
-def test_infinities_and_nans():
+def test_infinities_and_nans(isa):
     inf, nan = math.inf, math.nan
     rows = np.array([
         [-inf] * 6,                       # no number with mass: the first index (the reference's top candidate)
@@ -193,7 +194,7 @@ def test_bad_arguments_raise():
 
 @needs_kernel
 @pytest.mark.parametrize("shape,n", [((8, 5000), 20), ((3, 128256), 5), ((4, 30), 30), ((5, 100), 1), ((2, 40), 20)])
-def test_top_ids_match_largest(shape, n):
+def test_top_ids_match_largest(isa, shape, n):
     x = np.random.default_rng(n).standard_normal(shape).astype(np.float32)
     want_values, want_ids = ops.largest(mx.array(x), n)
     ids = kernel.top_ids_rows(mx.array(x), n)
@@ -204,7 +205,7 @@ def test_top_ids_match_largest(shape, n):
 
 
 @needs_kernel
-def test_top_ids_ties_nans_and_strided_input():
+def test_top_ids_ties_nans_and_strided_input(isa):
     x = np.array([[1.0, math.nan, 3.0, 3.0, -math.inf, 2.0, 3.0, math.nan]], dtype=np.float32)
     np.testing.assert_array_equal(np.array(kernel.top_ids_rows(mx.array(x), 8)), [[2, 3, 6, 5, 0, 4, 1, 7]])
     np.testing.assert_array_equal(np.array(kernel.top_ids_rows(mx.array(x), 8)),
@@ -245,7 +246,7 @@ def test_a_llama3_sized_batch_samples_the_same_tokens_with_either_backend():
     (1.0, 0.0, 0, 0.9, 1e-6), (1.0, 0.0, 5, 0.9, 1e-6),  # nearly equal logits: one bucket, values of one y
     (1.0, 0.5, 100, 0.3, 3.0),
 ], ids=str)
-def test_large_k_extreme_temperatures_and_nearly_equal_logits(case):
+def test_large_k_extreme_temperatures_and_nearly_equal_logits(isa, case):
     temperature, min_p, top_k, top_p, spread = case
     rng = np.random.default_rng(top_k)
     x = (rng.standard_normal((6, 20000)) * spread).astype(np.float32)
