@@ -256,3 +256,19 @@ def test_large_k_extreme_temperatures_and_nearly_equal_logits(isa, case):
         token, margin = rule(x[i], temperature, min_p, top_k, top_p, float(uniforms[i]))
         if margin > MARGIN:
             assert got[i] == token, i
+
+
+@needs_kernel
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (40, 0.9), (40, 1.0)])
+def test_nan_logits_outside_the_candidates_match_the_reference(isa, top_k, top_p):
+    # NaN gets no mass in both; (the reference turns greedy where a NaN falls among its K candidates: its k-th
+    # log2_q is NaN, so no candidate passes its floor)
+    x = (np.random.default_rng(top_k).standard_normal((32, 5000)) * 2).astype(np.float32)
+    x[:, [3, 17, 4000]] = math.nan
+    params = [SamplingParams(top_k=top_k, top_p=top_p, seed=s) for s in range(32)]
+    reference, uniforms = run_reference(x, params)
+    got = run_kernel(x, 1.0, 0.0, top_k, top_p, uniforms)
+    for i in range(len(x)):
+        token, margin = rule(x[i], 1.0, 0.0, top_k, top_p, float(uniforms[i]))
+        if margin > MARGIN:
+            assert got[i] == token == reference[i], i
