@@ -1,6 +1,6 @@
 // Selection inside one row of float32 logits, for the top_k / top_p sampling and top-n logprobs primitives
-// (sampling.cpp). Plain C++ compiled once for the baseline CPU: the one vectorized pass (y and q of every
-// logit) is the ISA kernel candidate_masses (sampling_kernel.h).
+// (sampling.cpp). Plain C++ compiled once for the baseline CPU: the O(V) scans (block maxima, gathers, the
+// masses and their histogram) are ISA kernels (sampling_kernel.h).
 //
 // sample_candidate_row: metrale.sampling.ops.sample_candidates for one row, in O(V) instead of a partition
 // and sort of the vocabulary:
@@ -14,12 +14,13 @@
 //              descending order reaches u * (the nucleus's mass)
 // Nothing sorts the vocabulary. top_k: the k-th largest maximum of blocks of 64 (smaller blocks for k > V/256)
 // is a bound that at least k logits reach; only those are partitioned (and, where the k-th value's y is
-// shared below the bound, every y is compared). top_p alone: a histogram of masses over 2048 buckets of y
+// shared below the bound, every y is compared). top_p alone: where the 256 largest values (same bound) hold
+// the nucleus (a peaked row), those are sorted; else (flat logits) a histogram of masses over 2048 buckets of y
 // in [floor, 0] (sampling_kernel.h candidate_masses), then 256 buckets over the cut bucket's y range, ...,
 // narrows to at most 32 values (or values of one y), which are sorted. Those sums are in double: a uniform or
 // top_p within float rounding of a token boundary may pick the neighbour of the reference's choice (float32).
-// A row whose largest logit is +inf or -inf (or that is all NaN) gives the index of mx.argmax (as the
-// reference's fallback to its top candidate).
+// A row whose largest number is +inf or -inf gives its first index (the reference's fallback to its top
+// candidate); a row of NaN gives 0.
 //
 // top_ids_row: the n largest values of a row, descending (ties: lower index first), NaN after every
 // number (as mx.argsort(-x)): the same block bound as top_k, and only the values above it are sorted.
