@@ -199,10 +199,9 @@ constexpr int64_t kNucleusCandidates = 256;
 
 // The nucleus's token from the values at or above the kNucleusCandidates-th block bound (a prefix of the
 // descending order), where their mass reaches top_p * total; -1 where it does not.
-int32_t sample_peaked_nucleus(const KernelTable& kernels, const float* x, int64_t V, float m, float floor,
-                              const CandidateParams& p, double total, CandidateScratch& s) {
-  std::vector<int32_t>& found = s.set;
-  at_least_kth_block(kernels, x, V, std::min(V, kNucleusCandidates), s, found);
+int32_t sample_peaked_nucleus(const float* x, float m, float floor, const CandidateParams& p, double total,
+                              CandidateScratch& s) {
+  std::vector<int32_t>& found = s.set;  // at_least_kth_block's, for kNucleusCandidates
   float *y = s.y(), *q = s.q();
   for (const int32_t i : found) {
     y[i] = (x[i] - m) * p.scale;
@@ -224,12 +223,13 @@ int32_t sample_peaked_nucleus(const KernelTable& kernels, const float* x, int64_
   return found.front();
 }
 
-// top_p rows without top_k: the nucleus's end and the token, from the largest values or by the histograms.
+// top_p rows without top_k (s.set: at_least_kth_block's values for kNucleusCandidates): the nucleus's end and
+// the token, from those values or by the histograms.
 int32_t sample_nucleus(const KernelTable& kernels, const float* x, int64_t V, float m, float floor,
                        const CandidateParams& p, CandidateScratch& s) {
   if (p.top_p < 1.0f) {
     const double total = kernels.candidate_masses(x, V, m, p.scale, floor, 0.0f, nullptr, nullptr, nullptr, nullptr);
-    const int32_t token = sample_peaked_nucleus(kernels, x, V, m, floor, p, total, s);
+    const int32_t token = sample_peaked_nucleus(x, m, floor, p, total, s);
     if (token >= 0) return token;
   }
   double masses[kSelectBuckets];
@@ -276,15 +276,11 @@ int64_t largest_number(const KernelTable& kernels, const float* x, int64_t V, fl
 int32_t sample_candidate_row(const KernelTable& kernels, const float* x, int64_t V, const CandidateParams& p,
                              CandidateScratch& s) {
   const float floor = std::max(p.log2_min_p, -126.0f);
-  float m = -kInf;
-  if (p.top_k > 0) {
-    m = at_least_kth_block(kernels, x, V, p.top_k, s, s.set);
-    if (m - m == 0.0f) return sample_top_k(x, V, m, floor, p, s);
-  }
-  const int64_t mode = largest_number(kernels, x, V, m);
-  if (mode < 0) return 0;
-  if (!(m - m == 0.0f)) return static_cast<int32_t>(mode);  // +inf or a row of -inf: the reference's top candidate
-  return sample_nucleus(kernels, x, V, m, floor, p, s);
+  float m = at_least_kth_block(kernels, x, V, p.top_k > 0 ? p.top_k : std::min(V, kNucleusCandidates), s, s.set);
+  if (m - m == 0.0f)
+    return p.top_k > 0 ? sample_top_k(x, V, m, floor, p, s) : sample_nucleus(kernels, x, V, m, floor, p, s);
+  const int64_t mode = largest_number(kernels, x, V, m);  // +inf or no number: the reference's top candidate
+  return mode < 0 ? 0 : static_cast<int32_t>(mode);
 }
 
 void top_ids_row(const KernelTable& kernels, const float* x, int64_t V, int n, int32_t* ids, CandidateScratch& s) {
