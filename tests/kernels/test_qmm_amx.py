@@ -27,7 +27,7 @@ def on(isa, fn):
 
 
 @needs_amx
-@pytest.mark.parametrize("k", [2048, 8192])
+@pytest.mark.parametrize("k", [704, 2048, 8192])
 @pytest.mark.parametrize("tokens", [16, 17, 64, 100, 512])
 @pytest.mark.parametrize("bits,gs,activation_bits", [(4, 32, 8), (4, 32, 12), (4, 32, 16), (8, 64, 8), (8, 64, 12)])
 def test_prompt_chunks_match_emulation_and_avx512(k, tokens, bits, gs, activation_bits):
