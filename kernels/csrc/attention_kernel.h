@@ -141,26 +141,26 @@ inline v8f reduce8(const v8f* a) noexcept {
          __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// The rows of n consecutive slots of one kv head in one block, read W values at a time: chunk<W>(t, c)
-// is columns W c .. W c + W - 1 of slot t's row (row t at base + t * stride) as floats. q8 rows
-// (int8_t) need prepare<W>() first: it converts the block's float16 group scales once, one float per
-// chunk (scales; W must divide the group).
+// The rows of the n keys of one tile for one kv head, read W values at a time: chunk<W>(t, c) is columns
+// W c .. W c + W - 1 of key t's row (at base + rows[t]; base = the pool + the head's offset, rows the slots'
+// offsets, across blocks) as floats. q8 rows (int8_t) need prepare<W>() first: it converts the tile's
+// float16 group scales once, one float per chunk (scales; W must divide the group).
 template <typename T>
-struct BlockRows {
+struct TileRows {
   const T* base;
-  int64_t stride;
+  const int64_t* rows;
   float* scales;  // q8 only
   template <int W>
   void prepare(int, int, int) noexcept {}
   template <int W>
-  typename VecOf<W>::type chunk(int t, int c) const noexcept { return loadw<W>(base + t * stride + c * W); }
+  typename VecOf<W>::type chunk(int t, int c) const noexcept { return loadw<W>(base + rows[t] + c * W); }
 };
 
 template <>
-struct BlockRows<int8_t> {
+struct TileRows<int8_t> {
   const int8_t* base;
-  int64_t stride;
-  float* scales;  // (n, chunks): the scale of chunk c of slot t
+  const int64_t* rows;
+  float* scales;  // (n, chunks): the scale of chunk c of key t
   int chunks = 0;
   template <int W>
   void prepare(int n, int head_dim, int group) noexcept {
@@ -169,18 +169,18 @@ struct BlockRows<int8_t> {
     for (int t = 0; t < n; ++t)
       for (int k = 0; k < head_dim / group; ++k) {
         uint16_t bits;
-        std::memcpy(&bits, base + t * stride + head_dim + 2 * k, sizeof(bits));
+        std::memcpy(&bits, base + rows[t] + head_dim + 2 * k, sizeof(bits));
         const float d = f16_scale(bits);
         for (int i = 0; i < per_group; ++i) scales[t * chunks + k * per_group + i] = d;
       }
   }
   template <int W>
   typename VecOf<W>::type chunk(int t, int c) const noexcept {
-    return loadw<W>(base + t * stride + c * W) * scales[t * chunks + c];
+    return loadw<W>(base + rows[t] + c * W) * scales[t * chunks + c];
   }
 };
 
-// One block's n keys against REP query heads of one kv head, online softmax (flash style):
+// One tile's n keys against REP query heads of one kv head, online softmax (flash style):
 //   s[r, t] = qs[r] . K[t]                 qs pre-scaled (REP, hd)
 //   m' = max(m, max_t s), p = e^(s - m'), l = l e^(m - m') + sum_t p, acc = acc e^(m - m') + p V
 // acc (REP, hd) unnormalized; m, l (REP,). Each K and V row is read once for all REP heads, W values at
@@ -188,7 +188,7 @@ struct BlockRows<int8_t> {
 // (reduce8) into one vector of 8 lanes, lane i = (key i / REP, head i % REP), stored at s + 8 x group
 // (scratch (groups, 8)); the value accumulators of one W-column chunk stay in registers over the block.
 template <typename T, int REP, int W>
-void attend_block(int hd, const float* qs, BlockRows<T> k, BlockRows<T> v, int n, float* acc, float* m, float* l,
+void attend_block(int hd, const float* qs, TileRows<T> k, TileRows<T> v, int n, float* acc, float* m, float* l,
                   float* s, int group) noexcept {
   using V = typename VecOf<W>::type;
   constexpr int KPG = REP >= 8 ? 1 : 8 / REP, LANES = KPG * REP;
@@ -262,16 +262,25 @@ void attend_block(int hd, const float* qs, BlockRows<T> k, BlockRows<T> v, int n
   }
 }
 
-// Prefetches into L2 the bs rows of one kv head (at element g_off of each slot) in pool block `block`.
-// The blocks of a sequence sit at random places, which the hardware prefetchers cannot guess; the rows
-// of the next block are requested one kv head at a time, spread over this block's work (requesting a
+// Prefetches the rows of one kv head (base = the pool + the head's offset) of n keys (rows: their offsets)
+// into L2 (LOCALITY 2) or L1 (3). The blocks of a sequence sit at random places, which the hardware
+// prefetchers cannot guess; rows are requested one kv head at a time, spread over the work (requesting a
 // whole block at once stalls on the line fill buffers: measured ~1.6x slower).
-template <typename T, int LOCALITY = 2>
-inline void prefetch_rows(const T* pool, int32_t block, int64_t block_elems, int bs, int64_t g_off,
-                          int64_t row_bytes, int64_t slot_bytes) noexcept {
-  const char* p = reinterpret_cast<const char*>(pool + block * block_elems + g_off);
-  for (int i = 0; i < bs; ++i, p += slot_bytes)
+template <int LOCALITY, typename T>
+inline void prefetch_rows(const T* base, const int64_t* rows, int n, int64_t row_bytes) noexcept {
+  for (int t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(base + rows[t]);
     for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, LOCALITY);
+  }
+}
+
+// The pool offsets (elements) of keys [t, t + n)'s rows (kv head 0), walking the block table.
+inline void slot_offsets(const int32_t* table, int bs, int64_t row_stride, int t, int n, int64_t* rows) noexcept {
+  int j = t / bs, o = t % bs;
+  for (int i = 0; i < n; ++i) {
+    rows[i] = (static_cast<int64_t>(table[j]) * bs + o) * row_stride;
+    if (++o == bs) o = 0, ++j;
+  }
 }
 
 // Keys [key_begin, key_end) of one sequence for all its query heads (kernel_table.h decode_task): walks
@@ -282,7 +291,7 @@ inline void prefetch_rows(const T* pool, int32_t block, int64_t block_elems, int
 template <typename T>
 void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table,
                   int key_begin, int key_end, float* acc, float* ml, float* scratch, bool normalize) noexcept {
-  using Fn = void (*)(int, const float*, BlockRows<T>, BlockRows<T>, int, float*, float*, float*, float*, int);
+  using Fn = void (*)(int, const float*, TileRows<T>, TileRows<T>, int, float*, float*, float*, float*, int);
   static constexpr Fn narrow[] = {attend_block<T, 1, 8>, attend_block<T, 2, 8>, attend_block<T, 3, 8>,
                                   attend_block<T, 4, 8>, attend_block<T, 5, 8>, attend_block<T, 6, 8>,
                                   attend_block<T, 7, 8>, attend_block<T, 8, 8>};
@@ -293,40 +302,41 @@ void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp
   const Fn* by_width = dm.head_dim % W == 0 && dm.q8_group % W == 0 ? wide : narrow;
   const int hd = dm.head_dim, bs = dm.block_size, heads = dm.n_heads, rep = dm.n_heads / dm.n_kv;
   const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;  // elements of T per slot
-  const int64_t block_elems = bs * row_stride;
-  float* qs = scratch;                        // (heads, hd) pre-scaled queries
-  float* s = qs + heads * hd;                 // (bs, 8) probabilities of one block (attend_block)
-  float* scales = s + kDecodeScratchRows * bs;  // (bs, hd / 8) q8 scales of one block
+  const int64_t row_bytes = static_cast<int64_t>(dm.kv_row) * sizeof(T);
+  float* qs = scratch;                                   // (heads, hd) pre-scaled queries
+  float* s = qs + heads * hd;                            // (tile keys, 8) probabilities (attend_block)
+  float* scales = s + kDecodeScratchRows * kDecodeTileKeys;  // (tile keys, hd / 8) q8 scales
   for (int i = 0; i < heads * hd; i += kW) store8(qs + i, load8(q + i) * dm.scale);
   float *m = ml, *l = ml + heads;
   fill(m, m + heads, -__builtin_inff());
   fill(l, l + heads, 0.0f);
   fill(acc, acc + heads * hd, 0.0f);
-  const int first = key_begin / bs, last = (key_end - 1) / bs;
-  const int64_t row_bytes = static_cast<int64_t>(dm.kv_row) * sizeof(T), slot_bytes = row_stride * sizeof(T);
-  prefetch_rows(kp, table[first], block_elems, bs, 0, row_bytes, slot_bytes);
-  prefetch_rows(vp, table[first], block_elems, bs, 0, row_bytes, slot_bytes);
-  for (int j = first; j <= last; ++j) {
-    const int t0 = max_of(key_begin, j * bs), n = min_of(key_end, (j + 1) * bs) - t0;
-    const int64_t row0 = (static_cast<int64_t>(table[j]) * bs + t0 % bs) * row_stride;
+  int64_t offsets[2][kDecodeTileKeys];  // this tile's and the next one's row offsets
+  int t = key_begin, n = min_of(kDecodeTileKeys, key_end - t), cur = 0;
+  slot_offsets(table, bs, row_stride, t, n, offsets[cur]);
+  prefetch_rows<2>(kp, offsets[cur], n, row_bytes);
+  prefetch_rows<2>(vp, offsets[cur], n, row_bytes);
+  while (n > 0) {
+    const int next_t = t + n, next_n = min_of(kDecodeTileKeys, key_end - next_t);
+    if (next_n > 0) slot_offsets(table, bs, row_stride, next_t, next_n, offsets[cur ^ 1]);
     for (int g = 0; g < dm.n_kv; ++g) {
-      // rows needed next, requested while this kv head's are computed: in the first block the next
-      // head's, then the next block's rows of this head
+      const int64_t g_off = static_cast<int64_t>(g) * dm.kv_row;
+      // rows needed next, requested while this kv head's are computed: this tile's rows of the next
+      // head (into L1), the next tile's rows of this head (into L2)
       if (g + 1 < dm.n_kv) {
-        prefetch_rows<T, 3>(kp, table[j], block_elems, bs, (g + 1) * int64_t{dm.kv_row}, row_bytes, slot_bytes);
-        prefetch_rows<T, 3>(vp, table[j], block_elems, bs, (g + 1) * int64_t{dm.kv_row}, row_bytes, slot_bytes);
+        prefetch_rows<3>(kp + g_off + dm.kv_row, offsets[cur], n, row_bytes);
+        prefetch_rows<3>(vp + g_off + dm.kv_row, offsets[cur], n, row_bytes);
       }
-      if (j < last) {
-        prefetch_rows(kp, table[j + 1], block_elems, bs, g * int64_t{dm.kv_row}, row_bytes, slot_bytes);
-        prefetch_rows(vp, table[j + 1], block_elems, bs, g * int64_t{dm.kv_row}, row_bytes, slot_bytes);
-      }
-      const BlockRows<T> k{kp + row0 + static_cast<int64_t>(g) * dm.kv_row, row_stride, scales};
-      const BlockRows<T> v{vp + row0 + static_cast<int64_t>(g) * dm.kv_row, row_stride, scales};
+      prefetch_rows<2>(kp + g_off, offsets[cur ^ 1], next_n, row_bytes);
+      prefetch_rows<2>(vp + g_off, offsets[cur ^ 1], next_n, row_bytes);
+      const TileRows<T> k{kp + g_off, offsets[cur], scales};
+      const TileRows<T> v{vp + g_off, offsets[cur], scales};
       for (int r0 = 0; r0 < rep; r0 += kDecodeScratchRows) {
         const int h = g * rep + r0, width = min_of(kDecodeScratchRows, rep - r0);
         by_width[width - 1](hd, qs + h * hd, k, v, n, acc + h * hd, m + h, l + h, s, dm.q8_group);
       }
     }
+    t = next_t, n = next_n, cur ^= 1;
   }
   if (normalize)
     for (int h = 0; h < heads; ++h) {

@@ -14,12 +14,13 @@ enum class Dtype : int { float32 = 0, float16 = 1, bfloat16 = 2, q8 = 3 };
 enum class GatedKind : int { silu = 0, gelu_tanh = 1 };
 
 constexpr int kMaxHeadDim = 256;    // paged decode rejects larger head_dim (stack buffers)
-constexpr int kDecodeScratchRows = 8;  // query heads a decode block pass handles at once (per kv head)
+constexpr int kDecodeScratchRows = 8;  // query heads a decode tile pass handles at once (per kv head)
+constexpr int kDecodeTileKeys = 64;    // keys per online-softmax update of a decode task (across blocks)
 
-// floats of scratch one decode task needs: pre-scaled queries, one block's probabilities, q8 scales
-constexpr int64_t decode_scratch_floats(int n_heads, int head_dim, int block_size) {
-  return static_cast<int64_t>(n_heads) * head_dim + static_cast<int64_t>(kDecodeScratchRows) * block_size +
-         static_cast<int64_t>(block_size) * (head_dim / 8);
+// floats of scratch one decode task needs: pre-scaled queries, one tile's probabilities, q8 scales
+constexpr int64_t decode_scratch_floats(int n_heads, int head_dim) {
+  return static_cast<int64_t>(n_heads) * head_dim + static_cast<int64_t>(kDecodeScratchRows) * kDecodeTileKeys +
+         static_cast<int64_t>(kDecodeTileKeys) * (head_dim / 8);
 }
 
 struct DecodeDims {

@@ -135,7 +135,7 @@ void run_decode(const DecodeDims dm, Dtype dtype, const float* q, const void* kp
   const std::vector<DecodeTask> tasks = plan_tasks(dm, ranges, width, &n_partials);
   // allocated here, so the tasks never allocate: per-thread scratch (with a row's ml), the partials
   const int64_t partial_floats = static_cast<int64_t>(H) * hd + 2 * H;
-  const int64_t per_thread = decode_scratch_floats(H, hd, dm.block_size) + 2 * H;
+  const int64_t per_thread = decode_scratch_floats(H, hd) + 2 * H;
   std::vector<float> scratch(per_thread * width), partials(partial_floats * n_partials);
   parallel_for(static_cast<int>(tasks.size()), width, [&](int i, int me) {
     const DecodeTask& t = tasks[i];
