@@ -119,6 +119,8 @@ def test_engine_mlx_thread_ending_while_the_interpreter_finalizes_does_not_abort
 
 
 @pytest.mark.real_model
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_engine_processes_exit_zero_every_time():
-    _assert_clean_exits(_run(GENERATE_AND_EXIT, count=30, parallel=2, timeout_s=240))
+    # The forced-race tests above are what catch the race (it hits ~0-3% of plain runs); this loop checks
+    # that the engine's ordinary generate-and-exit stays clean, at a cost the suite can carry (~3 s a run).
+    _assert_clean_exits(_run(GENERATE_AND_EXIT, count=8, parallel=2, timeout_s=200))
