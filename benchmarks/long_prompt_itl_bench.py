@@ -11,8 +11,13 @@ submits one random prompt of `--prompt-len` tokens (max_tokens=1) and records th
 prompt's first token (its TTFT). Then it aborts the streams. A gap is the time between two deltas of a stream
 divided by the tokens the second delta carries. It also logs every step the engine times while the prompt
 runs: the scheduler's estimate and limit against the measured time (`step_*`: the measured time over the
-estimate, the share of steps over their limit, the measured step p99), and the time Python's garbage
-collector paused (`gc_ms`). Variants run alternately, round after round; the median per variant is reported
+estimate, the share of steps over their limit and their measured time over it at p50/p99, the measured step
+p99), and the time Python's garbage collector paused (`gc_ms`). The streams' own step at their context (they
+grow by a token a step while the prompt runs) is measured by the decode-only steps the scheduler runs during
+the prompt (one per 16 chunk steps under a limit): `itl_over_same_context_*` is each gap over the 3 of them
+nearest in time, `step_over_decode_*` each chunk step over them, `step_p99_over_decode_p99` the issue's
+measure in one window, and `decode_noise_*` a decode-only step over its 3 nearest others: the machine's own
+jitter, which no step limit can remove. Variants run alternately, round after round; the median per variant is reported
 (the machine is shared, so load hits every variant alike).
 """
 
@@ -99,6 +104,10 @@ class StepLog:
         # a chunk step against the median of the 3 decode-only steps nearest in time: what the relative limit
         # bounds, at the streams' context and the machine's load of that moment
         over_decode = [s[1] / near_decode_step(decode_only, s[0], 3) for s in steps if s[4] and decode_only]
+        # the machine's own noise: a decode-only step of the window against the 3 others nearest in time
+        during = [d for d in decode_only if start < d[0] <= end]
+        noise = [d[1] / near_decode_step([o for o in decode_only if o is not d], d[0], 3) for d in during] \
+            if len(decode_only) >= 4 else []
         nan = float("nan")
         return {"steps": len(steps), "step_p50_ms": 1e3 * statistics.median(s[1] for s in steps),
                 "step_p99_ms": 1e3 * percentile([s[1] for s in steps], 0.99),
@@ -111,6 +120,11 @@ class StepLog:
                 "step_over_decode_p50": statistics.median(over_decode) if over_decode else nan,
                 "step_over_decode_p90": percentile(over_decode, 0.9) if over_decode else nan,
                 "step_over_decode_p99": percentile(over_decode, 0.99) if over_decode else nan,
+                "decode_noise_p90": percentile(noise, 0.9) if noise else nan,
+                "decode_noise_p99": percentile(noise, 0.99) if noise else nan,
+                # the issue's measure, in one window: the streams' step p99 over their decode-only step p99
+                "step_p99_over_decode_p99": percentile([s[1] for s in steps], 0.99) / percentile([d[1] for d in during], 0.99)
+                if len(during) >= 3 else nan,
                 "chunk_p50": statistics.median(chunks) if chunks else 0.0,
                 "gc_ms": 1e3 * sum(seconds for t, seconds in self.gc_pauses if start < t <= end)}
 
