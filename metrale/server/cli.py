@@ -339,9 +339,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app.on_fatal = server.fail
     logger.info("listening on %s", ", ".join(f"[{h}]:{args.port}" if ":" in h else f"{h}:{args.port}" for h in hosts))
     server.run(sockets=sockets)
-    # The engine is shut down and every request has ended. Exit without running C++ static
-    # destructors: about 1 run in 20, a native thread torn down at interpreter exit aborted the
-    # process ("terminate called without an active exception", SIGABRT) after a clean drain.
+    # The engine is shut down and every request has ended. Exit without the interpreter's teardown:
+    # a thread's MLX random key destroyed during it once aborted the process after a clean drain
+    # ("terminate called without an active exception"; kernels.runtime.release_thread_state).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
