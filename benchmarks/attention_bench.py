@@ -12,6 +12,12 @@ time over `--repeat` graphs divided by the layers. Also reports the K/V write an
 default cases; the "gathered" backend is the kernel backend without its paged prefill (gather + matmuls +
 fused softmax), the path paged prefill replaced.
 METRALE_ATTENTION_THREADS=N sets the kernel's threads (default: the CPUs this process may use).
+The decode case also reports the K/V bytes its rows read per layer as GB/s, and with --roof that rate as a
+share of the machine's read bandwidth: benchmarks/roofline_probe.c's STREAM-like read of --roof-mib MiB
+(above the caches) on the kernel's thread count, measured in the same run. On a shared machine compare
+rates from one run (the probe reports wall and per-CPU-time rates; the bench's are wall).
+    .venv/bin/python benchmarks/attention_bench.py --n-heads 32 --n-kv-heads 8 --kv-dtype float16 \
+        --context 192 --num-decode 32 --layers 16 --num-blocks 512 --decode-only --backend kernel --roof
 """
 
 from __future__ import annotations
@@ -52,6 +58,21 @@ def make_batch(rng, num_decode, context, chunks, block_size, num_blocks):
         tables.append(order[used : used + n])
         used += n
     return query_lens, context_lens, tables
+
+
+def decode_kv_bytes(cache, context_lens, num_decode):
+    """Bytes of K and V one layer's decode rows read: every context slot's row in both pools."""
+    k_pool, _ = cache.layer(0)
+    row = k_pool.shape[1] * k_pool.shape[2] * k_pool.dtype.size  # n_kv rows of one slot
+    return 2 * row * sum(context_lens[:num_decode])
+
+
+def read_roof(threads, mib):
+    """The probe's read bandwidth (GB/s, wall and per CPU time) on `threads` threads; None without a compiler."""
+    from benchmarks.qmm_roofline import roofs  # noqa: PLC0415  (compiles the probe: only with --roof)
+
+    roof = roofs(_ext.cpu_isa() or "", threads, mib)
+    return (roof["read_gbs_wall"], roof["read_gbs_cpu"]) if roof else None
 
 
 def timed(fn, repeat):
@@ -110,7 +131,11 @@ def run_case(name, args, num_decode, chunks, backends):
 
         results[backend] = forward()
         ms = timed(forward, args.repeat) / args.layers * 1e3
-        print(f"  {backend:9s} attention {ms:7.3f} ms/layer   ({ms * 30:.1f} ms per 30-layer step)")
+        rate = ""
+        if num_decode and not chunks:
+            gbs = decode_kv_bytes(cache, context_lens, num_decode) / ms / 1e6
+            rate = f"   K/V read {gbs:5.1f} GB/s" + (f" = {gbs / args.roof_gbs:.0%} of the read roof" if args.roof_gbs else "")
+        print(f"  {backend:9s} attention {ms:7.3f} ms/layer   ({ms * 30:.1f} ms per 30-layer step){rate}")
     for other in ("reference", "gathered"):
         if other in results and "kernel" in results:
             diff = max(float(mx.max(mx.abs(a - b))) for a, b in zip(results[other], results["kernel"]))
@@ -133,7 +158,10 @@ def main(argv=None):
     p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16", "int8"], default="float32")
     p.add_argument("--decode-only", action="store_true", help="only the decode case (no mixed, no prefill)")
     p.add_argument("--prefill-chunks", nargs="+", metavar="QxC", help="prefill cases: Q queries ending at context C")
+    p.add_argument("--roof", action="store_true", help="measure the read bandwidth (roofline_probe.c) to compare")
+    p.add_argument("--roof-mib", type=int, default=1024, help="the read probe's buffer (above the caches)")
     args = p.parse_args(argv)
+    args.roof_gbs = None
 
     has_kernel = _ext.load() is not None
     if args.backend == "kernel" and not has_kernel:
@@ -145,6 +173,14 @@ def main(argv=None):
     os.environ.pop("METRALE_ATTENTION", None)
     print(f"mlx {mx.__version__}, device {mx.default_device()}, default backend {attention_backend()}, "
           f"{args.layers} layers per graph, {args.repeat} repeats")
+    if args.roof:
+        threads = int(os.environ.get("METRALE_ATTENTION_THREADS", "0")) or len(os.sched_getaffinity(0))
+        roof = read_roof(threads, args.roof_mib)
+        if roof is None:
+            print("(no C compiler for the read probe: no roof)")
+        else:
+            args.roof_gbs = roof[0]
+            print(f"read roof ({threads} threads, {args.roof_mib} MiB): {roof[0]:.1f} GB/s wall, {roof[1]:.1f} per CPU time")
     if args.prefill_chunks:
         for spec in args.prefill_chunks:
             q, c = map(int, spec.split("x"))

@@ -27,39 +27,21 @@ namespace metrale::METRALE_ISA_NS {
 
 namespace {
 
-template <typename T, int REP>
-void decode_group(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
-                  float* out, float* scratch, int g) {
-  kernel::decode_task<T, REP>(dm, q, kp, vp, table, ctx, out, scratch, g);
-}
-
-// The rep query heads of one kv head, in sub-groups of at most 8 (each a compile-time width).
-template <typename T>
-void decode_heads(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, int ctx,
-                  float* out, float* scratch, int g) {
-  using Fn = void (*)(const DecodeDims&, const float*, const T*, const T*, const int32_t*, int, float*, float*, int);
-  static constexpr Fn by_width[] = {decode_group<T, 1>, decode_group<T, 2>, decode_group<T, 3>, decode_group<T, 4>,
-                                    decode_group<T, 5>, decode_group<T, 6>, decode_group<T, 7>, decode_group<T, 8>};
-  const int rep = dm.n_heads / dm.n_kv;
-  for (int r0 = 0; r0 < rep; r0 += 8) {
-    const int width = kernel::min_of(8, rep - r0);
-    const int64_t offset = static_cast<int64_t>(r0) * dm.head_dim;
-    by_width[width - 1](dm, q + offset, kp, vp, table, ctx, out + offset, scratch, g);
-  }
-}
-
 void decode_task(const DecodeDims& dm, Dtype dtype, const float* q, const void* kp, const void* vp,
-                 const int32_t* table, int ctx, float* out, float* scratch, int g) {
+                 const int32_t* table, int key_begin, int key_end, float* acc, float* ml, float* scratch,
+                 bool normalize) {
   if (dtype == Dtype::float32) {
-    decode_heads(dm, q, static_cast<const float*>(kp), static_cast<const float*>(vp), table, ctx, out, scratch, g);
+    kernel::decode_range(dm, q, static_cast<const float*>(kp), static_cast<const float*>(vp), table, key_begin,
+                         key_end, acc, ml, scratch, normalize);
   } else if (dtype == Dtype::q8) {
-    decode_heads(dm, q, static_cast<const int8_t*>(kp), static_cast<const int8_t*>(vp), table, ctx, out, scratch, g);
+    kernel::decode_range(dm, q, static_cast<const int8_t*>(kp), static_cast<const int8_t*>(vp), table, key_begin,
+                         key_end, acc, ml, scratch, normalize);
   } else if (dtype == Dtype::float16) {
-    decode_heads(dm, q, static_cast<const kernel::f16_t*>(kp), static_cast<const kernel::f16_t*>(vp), table, ctx,
-                 out, scratch, g);
+    kernel::decode_range(dm, q, static_cast<const kernel::f16_t*>(kp), static_cast<const kernel::f16_t*>(vp), table,
+                         key_begin, key_end, acc, ml, scratch, normalize);
   } else {
-    decode_heads(dm, q, static_cast<const kernel::bf16_t*>(kp), static_cast<const kernel::bf16_t*>(vp), table,
-                 ctx, out, scratch, g);
+    kernel::decode_range(dm, q, static_cast<const kernel::bf16_t*>(kp), static_cast<const kernel::bf16_t*>(vp), table,
+                         key_begin, key_end, acc, ml, scratch, normalize);
   }
 }
 

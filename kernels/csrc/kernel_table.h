@@ -14,7 +14,14 @@ enum class Dtype : int { float32 = 0, float16 = 1, bfloat16 = 2, q8 = 3 };
 enum class GatedKind : int { silu = 0, gelu_tanh = 1 };
 
 constexpr int kMaxHeadDim = 256;    // paged decode rejects larger head_dim (stack buffers)
-constexpr int kDecodeScratchRows = 8;  // a decode task needs (8, keys) floats of scratch
+constexpr int kDecodeScratchRows = 8;  // query heads a decode tile pass handles at once (per kv head)
+constexpr int kDecodeTileKeys = 64;    // keys per online-softmax update of a decode task (across blocks)
+
+// floats of scratch one decode task needs: pre-scaled queries, one tile's probabilities, q8 scales
+constexpr int64_t decode_scratch_floats(int n_heads, int head_dim) {
+  return static_cast<int64_t>(n_heads) * head_dim + static_cast<int64_t>(kDecodeScratchRows) * kDecodeTileKeys +
+         static_cast<int64_t>(kDecodeTileKeys) * (head_dim / 8);
+}
 
 struct DecodeDims {
   int batch, n_heads, n_kv, head_dim, max_blocks, block_size, window;
@@ -123,9 +130,12 @@ constexpr int kSelectBuckets = 2048;
 
 struct KernelTable {
   const char* isa;
-  // paged decode attention: one (sequence, kv head) task (attention_kernel.h)
+  // paged decode attention: keys [key_begin, key_end) of one sequence, all its heads (attention_kernel.h);
+  // acc (n_heads, hd) and ml (2, n_heads) get the partial (unnormalized output, max, sum), or with
+  // normalize the attention output in acc
   void (*decode_task)(const DecodeDims& dm, Dtype dtype, const float* q, const void* k_pool, const void* v_pool,
-                      const int32_t* table, int ctx, float* out, float* scratch, int g);
+                      const int32_t* table, int key_begin, int key_end, float* acc, float* ml, float* scratch,
+                      bool normalize);
   // paged prefill attention: queries [q_begin, q_end) of the chunk, kv head g (attention_kernel.h)
   void (*prefill_task)(const PrefillDims& dm, Dtype dtype, const float* q, const void* k_pool, const void* v_pool,
                        const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end);

@@ -1,6 +1,7 @@
 // The PagedDecode primitive: graph construction, input checks and the CPU dispatch of kernel.h.
-// Tasks (sequence, kv head) are spread over a small persistent thread pool
-// (METRALE_ATTENTION_THREADS, default: the CPUs this process may use). A row whose block ids or
+// Tasks (a sequence, or a range of a long sequence's keys, with all its heads: attention_kernel.h) are
+// spread over a small persistent thread pool (METRALE_ATTENTION_THREADS, default: the CPUs this process
+// may use); the partials of a split sequence are merged here. A row whose block ids or
 // context length are out of range gets NaN, never an out-of-bounds read; the Python wrapper checks
 // the ranges first and raises.
 #include "paged_decode.h"
@@ -29,34 +30,124 @@ namespace metrale {
 namespace {
 
 constexpr int64_t kMinParallelWork = 1 << 14;  // keys x heads below which threads cost more than they save
+constexpr int kTasksPerThread = 4;  // split long contexts until the threads have this many tasks each
+constexpr int kMinSplitKeys = 256;  // ... but never into parts shorter than this (the merge costs a pass)
 
 Dtype kernel_dtype(mx::Dtype dtype) {
   if (dtype == mx::int8) return Dtype::q8;
   return dtype == mx::float32 ? Dtype::float32 : dtype == mx::float16 ? Dtype::float16 : Dtype::bfloat16;
 }
 
+// The keys [begin, end) row b attends to, or begin = end = -1 when its context length or a block id it
+// would read is out of range (the row becomes NaN) or it has no key.
+struct KeyRange {
+  int begin, end;
+};
+
+KeyRange key_range(const DecodeDims& dm, const int32_t* table, int ctx) {
+  if (ctx < 1 || static_cast<int64_t>(ctx) > static_cast<int64_t>(dm.max_blocks) * dm.block_size) return {-1, -1};
+  const int begin = dm.window > 0 ? std::max(0, ctx - dm.window) : 0;
+  for (int j = begin / dm.block_size; j <= (ctx - 1) / dm.block_size; ++j)
+    if (table[j] < 0 || table[j] >= dm.num_blocks) return {-1, -1};
+  return {begin, ctx};
+}
+
+// One task: keys [begin, end) of row b. A row in one task is written normalized straight into the
+// output; a split row's parts write partials (acc (H, hd), ml (2, H)) at `partial`, merged afterwards.
+struct DecodeTask {
+  int b, begin, end;
+  int64_t partial;  // index of the task's partial, -1: a whole row
+};
+
+// Whole rows, unless there are fewer than threads x kTasksPerThread of them: then every row longer than
+// `part` keys (whole blocks, at least kMinSplitKeys) is split into parts of `part` keys (flash decoding).
+std::vector<DecodeTask> plan_tasks(const DecodeDims& dm, const std::vector<KeyRange>& ranges, int width,
+                                   int64_t* n_partials) {
+  int64_t total = 0, rows = 0;
+  for (const auto& r : ranges) total += r.end - r.begin, rows += r.begin >= 0;
+  const int64_t want = static_cast<int64_t>(width) * kTasksPerThread;
+  int64_t part = std::numeric_limits<int>::max();
+  if (width > 1 && rows < want) {
+    part = std::max<int64_t>(kMinSplitKeys, (total + want - 1) / want);
+    part = (part + dm.block_size - 1) / dm.block_size * dm.block_size;
+  }
+  std::vector<DecodeTask> tasks;
+  *n_partials = 0;
+  for (int b = 0; b < dm.batch; ++b) {
+    const auto [begin, end] = ranges[b];
+    if (begin < 0) continue;
+    if (end - begin <= part) {
+      tasks.push_back({b, begin, end, -1});
+      continue;
+    }
+    for (int64_t t = begin; t < end;) {  // part boundaries on whole blocks
+      const int64_t next = std::min<int64_t>(end, (t / dm.block_size) * dm.block_size + part);
+      tasks.push_back({b, static_cast<int>(t), static_cast<int>(next), (*n_partials)++});
+      t = next;
+    }
+  }
+  return tasks;
+}
+
+// out[b] = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the parts i of row b, M = max_i m_i.
+void merge_partials(const DecodeDims& dm, const std::vector<DecodeTask>& tasks, const float* partials, float* out) {
+  const int H = dm.n_heads, hd = dm.head_dim;
+  const int64_t stride = static_cast<int64_t>(H) * hd + 2 * H;
+  for (size_t i = 0; i < tasks.size();) {
+    size_t end = i;
+    while (end < tasks.size() && tasks[end].b == tasks[i].b && tasks[end].partial >= 0) ++end;
+    if (end == i) {
+      ++i;
+      continue;
+    }
+    float* o = out + static_cast<int64_t>(tasks[i].b) * H * hd;
+    for (int h = 0; h < H; ++h) {
+      float M = -std::numeric_limits<float>::infinity(), L = 0.0f;
+      for (size_t p = i; p < end; ++p) M = std::max(M, partials[tasks[p].partial * stride + H * hd + h]);
+      std::fill(o + h * hd, o + (h + 1) * hd, 0.0f);
+      for (size_t p = i; p < end; ++p) {
+        const float* part = partials + tasks[p].partial * stride;
+        const float w = std::exp(part[H * hd + h] - M);
+        L += w * part[H * hd + H + h];
+        for (int d = 0; d < hd; ++d) o[h * hd + d] += w * part[h * hd + d];
+      }
+      for (int d = 0; d < hd; ++d) o[h * hd + d] /= L;
+    }
+    i = end;
+  }
+}
+
 void run_decode(const DecodeDims dm, Dtype dtype, const float* q, const void* kp, const void* vp,
                 const int32_t* tables, const int32_t* ctx_lens, float* out) {
   const auto& kernels = cpu_kernels();
-  const int rep = dm.n_heads / dm.n_kv, n_tasks = dm.batch * dm.n_kv;
+  const int H = dm.n_heads, hd = dm.head_dim;
+  std::vector<KeyRange> ranges(dm.batch);
   int64_t work = 0;
-  int max_keys = 0;
   for (int b = 0; b < dm.batch; ++b) {
-    // clamped to what the table can hold: a larger context_len is invalid (its row becomes NaN)
-    int keys = std::min<int64_t>(ctx_lens[b], static_cast<int64_t>(dm.max_blocks) * dm.block_size);
-    if (dm.window > 0) keys = std::min(keys, dm.window);
-    max_keys = std::max(max_keys, keys);
-    work += static_cast<int64_t>(std::max(keys, 0)) * dm.n_heads;
+    ranges[b] = key_range(dm, tables + static_cast<int64_t>(b) * dm.max_blocks, ctx_lens[b]);
+    if (ranges[b].begin < 0)
+      std::fill(out + static_cast<int64_t>(b) * H * hd, out + static_cast<int64_t>(b + 1) * H * hd,
+                std::numeric_limits<float>::quiet_NaN());
+    work += static_cast<int64_t>(ranges[b].end - ranges[b].begin) * H;
   }
-  const int width = work < kMinParallelWork ? 1 : std::min(num_threads(), n_tasks);
-  const int64_t per_thread = static_cast<int64_t>(kDecodeScratchRows) * std::max(max_keys, 1);
-  std::vector<float> scratch(per_thread * width);  // allocated here, so the tasks never allocate
-  parallel_for(n_tasks, width, [&](int task, int me) {
-    const int b = task / dm.n_kv, g = task % dm.n_kv;
-    const int64_t offset = (static_cast<int64_t>(b) * dm.n_heads + g * rep) * dm.head_dim;
-    kernels.decode_task(dm, dtype, q + offset, kp, vp, tables + static_cast<int64_t>(b) * dm.max_blocks,
-                        ctx_lens[b], out + offset, scratch.data() + me * per_thread, g);
+  const int width = work < kMinParallelWork ? 1 : num_threads();
+  int64_t n_partials = 0;
+  const std::vector<DecodeTask> tasks = plan_tasks(dm, ranges, width, &n_partials);
+  // allocated here, so the tasks never allocate: per-thread scratch (with a row's ml), the partials
+  const int64_t partial_floats = static_cast<int64_t>(H) * hd + 2 * H;
+  const int64_t per_thread = decode_scratch_floats(H, hd) + 2 * H;
+  std::vector<float> scratch(per_thread * width), partials(partial_floats * n_partials);
+  parallel_for(static_cast<int>(tasks.size()), width, [&](int i, int me) {
+    const DecodeTask& t = tasks[i];
+    float* mine = scratch.data() + me * per_thread;
+    const bool whole = t.partial < 0;
+    float* acc = whole ? out + static_cast<int64_t>(t.b) * H * hd : partials.data() + t.partial * partial_floats;
+    float* ml = whole ? mine : acc + static_cast<int64_t>(H) * hd;
+    kernels.decode_task(dm, dtype, q + static_cast<int64_t>(t.b) * H * hd, kp, vp,
+                        tables + static_cast<int64_t>(t.b) * dm.max_blocks, t.begin, t.end, acc, ml, mine + 2 * H,
+                        whole);
   });
+  merge_partials(dm, tasks, partials.data(), out);
 }
 
 std::string shape_str(const mx::array& a) {
