@@ -118,7 +118,8 @@ def main(argv=None) -> None:
     first = args.lengths[0]
     for name, rs in runs.items():
         base = statistics.median(x[first]["prompt_tok_s"] for x in rs)
-        ratios = " ".join(f"{n}: {statistics.median(x[n]['prompt_tok_s'] for x in rs) / base:.2f}" for n in args.lengths)
+        rates = {n: statistics.median(x[n]["prompt_tok_s"] for x in rs) for n in args.lengths}
+        ratios = " ".join(f"{n}: {rate / base:.2f}" for n, rate in rates.items())
         print(f"{name:12s} prompt rate / rate at {first}: {ratios}")
 
 

@@ -1,13 +1,15 @@
 """The paged prefill attention kernel alone: GFLOP/s per 512-query chunk at contexts up to 8k, against the
 machine's float32 FMA peak.
 
-    .venv/bin/python benchmarks/prefill_attention_bench.py --shape 1b --contexts 512 2048 4096 8192
+    .venv/bin/python benchmarks/prefill_attention_bench.py --shape 1b --contexts 512 2048 4096 8192 [--threads 1]
 
 One chunk of `--chunk` queries ending at each context (the chunk a long prompt's last step runs), float16
 pool (or --kv-dtype), block size 16, the model shape's heads. FLOPs counted: 4 * head_dim per
 (query head, visible key) pair (QK^T and PV, 2 each per multiply-add); softmax not counted. Rates are per
 second of wall time and per second of the process's CPU time (the shared machine's other load shows in the
-first, not the second; "per core" divides the CPU-time rate by the threads the kernels use). The peak is
+first, not the second; "per core" divides the CPU-time rate by the threads the kernels use; with two
+threads on a busy machine a thread that waits for the other spins, so --threads 1 gives the cleanest
+per-core rate). The peak is
 measured by benchmarks/fma_probe.c (compiled here with cc): independent FMA chains on 512- and 256-bit
 vectors, one thread, its CPU time.
 """
@@ -83,10 +85,13 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="kernel threads (0: the default, all cores)")
     p.add_argument("--no-peak", action="store_true", help="skip the FMA probe")
     args = p.parse_args(argv)
     from kernels import ext
 
+    if args.threads and not ext.load().set_num_threads(args.threads):
+        raise SystemExit(f"could not set {args.threads} kernel threads")
     threads = ext.load().num_threads()
     peak = {} if args.no_peak else fma_peak()
     print(f"shape {args.shape} {SHAPES[args.shape]} kv {args.kv_dtype} isa {ext.cpu_isa()} threads {threads}; "
