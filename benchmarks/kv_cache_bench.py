@@ -1,5 +1,6 @@
 """The KV cache's dtype and long contexts, at the attention op: bytes per token, prefill chunk attention
-and decode attention per layer, float32 vs 16-bit pools, the gathered matmul path vs the paged prefill kernel.
+and decode attention per layer, float32 vs 16-bit vs int8 (q8 rows) pools, the gathered matmul path vs the
+paged prefill kernel.
 
     .venv/bin/python benchmarks/kv_cache_bench.py                       # 135M and 1B shapes
     .venv/bin/python benchmarks/kv_cache_bench.py --shapes 135m --contexts 512 8192 --repeat 5
@@ -31,11 +32,12 @@ import numpy as np  # noqa: E402
 from kernels import ext  # noqa: E402
 from kvcache import attention  # noqa: E402
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
+from kvcache import quantized  # noqa: E402
 from kvcache.storage import PagedKVCache  # noqa: E402
 
 # name: (layers, n_heads, n_kv_heads, head_dim), as the real models
 SHAPES = {"135m": (30, 9, 3, 64), "1b": (16, 32, 8, 64)}
-DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16, "int8": mx.int8}
 
 
 def kv_bytes_per_token(shape, dtype) -> int:
@@ -48,9 +50,17 @@ def make_pools(layers, num_blocks, block_size, n_kv, hd, dtype):
     pools = []
     for layer in range(layers):
         k_pool, v_pool = cache.layer(layer)
-        pools.append((mx.random.normal(k_pool.shape).astype(dtype), mx.random.normal(v_pool.shape).astype(dtype)))
+        pools.append((random_rows(k_pool.shape, hd, dtype), random_rows(v_pool.shape, hd, dtype)))
     mx.eval(pools)
     return pools
+
+
+def random_rows(pool_shape, head_dim, dtype) -> mx.array:
+    """A pool of `pool_shape` holding standard normal head vectors: int8 pools as real q8 rows (valid
+    float16 scales, kvcache/quantized.py), float pools as the values themselves."""
+    if dtype == mx.int8:
+        return quantized.quantize(mx.random.normal((*pool_shape[:-1], head_dim)))
+    return mx.random.normal(pool_shape).astype(dtype)
 
 
 def chained(pools, queries, md, scale, chunk_fn=None):

@@ -96,6 +96,13 @@ NB_MODULE(_kernels, m) {
   m.def("sample_full_rows", &metrale::sample_full_rows, "logits"_a, "scale"_a, "log2_min_p"_a, "uniforms"_a,
         "One token per row of logits (R, V) float32 by the inverse CDF of 2^((x - max) * scale) (0 below\n"
         "log2_min_p) at the row's uniform; scale, log2_min_p, uniforms (R,) float32. Returns (R,) int32.");
+  m.def("sample_candidates_rows", &metrale::sample_candidates_rows, "logits"_a, "scale"_a, "log2_min_p"_a, "top_k"_a,
+        "top_p"_a, "uniforms"_a,
+        "top_k / top_p (+ min_p) sampling of logits (R, V) float32 by selection (kernels/csrc/sampling_select.h);\n"
+        "top_k (R,) int32 (0: off), scale, log2_min_p, top_p (>= 1: off), uniforms (R,) float32. Returns (R,) int32.");
+  m.def("top_ids_rows", &metrale::top_ids_rows, "x"_a, "n"_a,
+        "The indices of the n largest values of each row of x (R, V) float32, descending (ties: lower index\n"
+        "first; NaN last): (R, n) int32.");
   m.def("logsumexp_rows", &metrale::logsumexp_rows, "x"_a,
         "log(sum(exp(x))) of each row of x (R, V) float32, vectorized: (R,) float32; NaN where a row's\n"
         "maximum is not finite.");

@@ -103,6 +103,9 @@ struct ArgmaxPart {
   int64_t first_nan;
 };
 
+// top_p sampling's first histogram (sampling_kernel.h candidate_masses): buckets of y over [floor, 0].
+constexpr int kSelectBuckets = 2048;
+
 struct KernelTable {
   const char* isa;
   // paged decode attention: one (sequence, kv head) task (attention_kernel.h)
@@ -138,6 +141,12 @@ struct KernelTable {
   // rows [r0, r1): h = x + residual, then out = RMSNorm(h) as rms_norm_rows (norm_rope_kernel.h)
   void (*add_rms_norm_rows)(const float* x, const float* residual, const float* w, float* h, float* out, int64_t r0,
                             int64_t r1, int D, float eps, float w_offset);
+  // the scans of top_k / top_p sampling and top-n logprobs over one row (sampling_kernel.h)
+  double (*candidate_masses)(const float* x, int64_t V, float m, float scale, float floor, float inv, float* y,
+                             float* q, uint16_t* bucket, double* masses);
+  void (*block_maxima)(const float* x, int64_t V, int64_t block, float* out);
+  int64_t (*gather_at_least)(const float* x, int64_t V, float bound, int32_t* out);
+  int64_t (*gather_bucket)(const uint16_t* bucket, int64_t V, int b, int32_t* out);
 };
 
 const KernelTable* kernel_table_scalar();

@@ -1,7 +1,7 @@
 // The sampling primitives (sampling_kernel.h has the row arithmetic). ArgmaxRows: rows x vocabulary split
 // into tasks over the kernel pool, each task one range of one row; the ranges of a row are combined in
-// order on the calling thread. SampleFullRows and LogsumexpRows: one task per row (a row's result never
-// depends on the others).
+// order on the calling thread. SampleFullRows, SampleCandidateRows, TopIdsRows and LogsumexpRows: one task per
+// row (a row's result never depends on the others).
 #include "sampling.h"
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "parallel.h"
 #include "row_major.h"
+#include "sampling_select.h"
 
 namespace metrale {
 
@@ -137,6 +138,76 @@ void LogsumexpRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
     const int width = rows * V < kMinParallelElements ? 1 : static_cast<int>(std::min<int64_t>(num_threads(), rows));
     parallel_for(static_cast<int>(rows), width, [&](int row, int) { o[row] = kernels.logsumexp_row(xp + row * V, V); });
   });
+}
+
+mx::array sample_candidates_rows(const mx::array& logits, const mx::array& scale, const mx::array& log2_min_p,
+                                 const mx::array& top_k, const mx::array& top_p, const mx::array& uniforms) {
+  const bool ok = logits.ndim() == 2 && logits.shape(1) >= 1 && logits.dtype() == mx::float32;
+  bool rows_ok = ok && top_k.ndim() == 1 && top_k.shape(0) == logits.shape(0) && top_k.dtype() == mx::int32;
+  for (const auto* a : {&scale, &log2_min_p, &top_p, &uniforms})
+    rows_ok = rows_ok && a->ndim() == 1 && a->shape(0) == logits.shape(0) && a->dtype() == mx::float32;
+  if (!rows_ok)
+    throw std::invalid_argument("sample_candidates_rows: logits (R, V) float32 with V >= 1, top_k (R,) int32 and "
+                                "scale, log2_min_p, top_p, uniforms (R,) float32, got " + describe(logits) + ", " +
+                                describe(scale) + ", " + describe(log2_min_p) + ", " + describe(top_k) + ", " +
+                                describe(top_p) + ", " + describe(uniforms));
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({logits.shape(0)}, mx::int32, std::make_shared<SampleCandidateRows>(s),
+                   {logits, scale, log2_min_p, top_k, top_p, uniforms});
+}
+
+void SampleCandidateRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  std::vector<RowMajor> in;
+  for (const auto& a : inputs) in.emplace_back(a, encoder);
+  const int64_t rows = inputs[0].shape(0), V = inputs[0].shape(1);
+  encoder.dispatch([in, o = out.data<int32_t>(), rows, V] {
+    const auto& kernels = cpu_kernels();
+    const float *xp = in[0].data<float>(), *scale = in[1].data<float>(), *log2_min_p = in[2].data<float>();
+    const int32_t* top_k = in[3].data<int32_t>();
+    const float *top_p = in[4].data<float>(), *u = in[5].data<float>();
+    const int width = rows * V < kMinParallelElements ? 1 : static_cast<int>(std::min<int64_t>(num_threads(), rows));
+    parallel_for(static_cast<int>(rows), width, [&](int row, int) {
+      const CandidateParams p{scale[row], log2_min_p[row], top_k[row], top_p[row], u[row]};
+      o[row] = sample_candidate_row(kernels, xp + row * V, V, p, thread_scratch(V));
+    });
+  });
+}
+
+mx::array top_ids_rows(const mx::array& x, int n) {
+  if (x.ndim() != 2 || x.dtype() != mx::float32 || n < 1 || n > x.shape(1))
+    throw std::invalid_argument("top_ids_rows: x (R, V) float32 and 1 <= n <= V, got " + describe(x) + ", n = " +
+                                std::to_string(n));
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({x.shape(0), n}, mx::int32, std::make_shared<TopIdsRows>(s, n), {x});
+}
+
+void TopIdsRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_output_array(out);
+  const RowMajor xin(inputs[0], encoder);
+  const int64_t rows = inputs[0].shape(0), V = inputs[0].shape(1);
+  encoder.dispatch([xin, o = out.data<int32_t>(), rows, V, n = n_] {
+    const auto& kernels = cpu_kernels();
+    const float* xp = xin.data<float>();
+    const int width = rows * V < kMinParallelElements ? 1 : static_cast<int>(std::min<int64_t>(num_threads(), rows));
+    parallel_for(static_cast<int>(rows), width, [&](int row, int) {
+      top_ids_row(kernels, xp + row * V, V, n, o + row * n, thread_scratch(V));
+    });
+  });
+}
+
+void SampleCandidateRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("sample_candidates_rows: CPU only; GPU streams use metrale.sampling.ops");
+}
+
+void TopIdsRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("top_ids_rows: CPU only; GPU streams use metrale.sampling.ops.largest");
 }
 
 void LogsumexpRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {

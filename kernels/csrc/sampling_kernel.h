@@ -140,6 +140,141 @@ inline int32_t sample_full_row(const float* x, int64_t V, float scale, float log
   return mode;
 }
 
+// The O(V) scans of top_k / top_p sampling and top-n logprobs (the selection around them is baseline code,
+// sampling_select.cpp, with the bucket layout of kernel_table.h's kSelectBuckets).
+//
+// candidate_masses: y_i = (x_i - m) * scale (bit for bit metrale.sampling.ops' log2_q), q_i = 2^y_i where
+// y_i >= floor (floor >= -126), else 0 (a NaN logit: y NaN, q 0), and bucket_i = min(kSelectBuckets - 1,
+// int(-y_i * inv)) for y_i >= floor, else kSelectBuckets; masses[b] (kSelectBuckets doubles) gets the sum of q
+// over bucket b (4 interleaved histograms: consecutive values in one bucket do not wait on each other).
+// Returns the sum of q. With y, q, bucket and masses null, only the sum (no store, no histogram).
+inline double candidate_masses(const float* x, int64_t V, float m, float scale, float floor, float inv, float* y,
+                               float* q, uint16_t* bucket, double* masses) {
+  if (masses == nullptr) {
+    double total = 0.0;  // blocks of 512 values in 8 float lanes, the blocks in double
+    for (int64_t i = 0; i < V;) {
+      v8f acc = {};
+      for (const int64_t end = min_of(V, i + 512); i < end; i += kW) {
+        const int n = static_cast<int>(min_of<int64_t>(kW, V - i));
+        v8f v;
+        if (n == kW) {
+          std::memcpy(&v, x + i, sizeof(v));
+        } else {
+          for (int j = 0; j < kW; ++j) v[j] = j < n ? x[i + j] : -__builtin_inff();
+        }
+        const v8f yv = (v - m) * scale;
+        acc += yv >= floor ? exp8(yv * 0.693147180559945f) : v8f{};
+      }
+      total += hsum(acc);
+    }
+    return total;
+  }
+  double hist[4][kSelectBuckets] = {};
+  for (int64_t i = 0; i < V; i += kW) {
+    const int n = static_cast<int>(min_of<int64_t>(kW, V - i));
+    v8f v;
+    if (n == kW) {
+      std::memcpy(&v, x + i, sizeof(v));
+    } else {
+      for (int j = 0; j < kW; ++j) v[j] = j < n ? x[i + j] : -__builtin_inff();
+    }
+    const v8f yv = (v - m) * scale;
+    const v8i above = yv >= floor;
+    const v8f qv = above ? exp8(yv * 0.693147180559945f) : v8f{};
+    v8f scaled = (v8f{} - yv) * inv;
+    scaled = above ? scaled : v8f{};
+    v8i b = __builtin_convertvector(scaled, v8i);
+    b = b < kSelectBuckets - 1 ? b : v8i{} + (kSelectBuckets - 1);
+    b = above ? b : v8i{} + kSelectBuckets;
+    const v8h b16 = __builtin_convertvector(b, v8h);
+    std::memcpy(y + i, &yv, sizeof(float) * n);
+    std::memcpy(q + i, &qv, sizeof(float) * n);
+    std::memcpy(bucket + i, &b16, sizeof(uint16_t) * n);
+    for (int j = 0; j < n; ++j) {
+      const uint16_t k = bucket[i + j];
+      if (k < kSelectBuckets) hist[j & 3][k] += q[i + j];
+    }
+  }
+  double total = 0.0;
+  for (int k = 0; k < kSelectBuckets; ++k) {
+    masses[k] = (hist[0][k] + hist[1][k]) + (hist[2][k] + hist[3][k]);
+    total += masses[k];
+  }
+  return total;
+}
+
+// block_maxima: out[b] = the largest non-NaN value of x[b * block, (b + 1) * block) (-inf: none).
+inline void block_maxima(const float* x, int64_t V, int64_t block, float* out) {
+  const int64_t blocks = (V + block - 1) / block;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * block, end = min_of(V, begin + block);
+    int64_t i = begin;
+    float best = -__builtin_inff();
+    if (end - begin >= kW) {
+      v8f acc[4] = {v8f{} - __builtin_inff(), v8f{} - __builtin_inff(), v8f{} - __builtin_inff(),
+                    v8f{} - __builtin_inff()};  // 4 chains: the maxima do not wait on each other
+      for (; i + 4 * kW <= end; i += 4 * kW) {
+        for (int a = 0; a < 4; ++a) {
+          v8f v;
+          std::memcpy(&v, x + i + a * kW, sizeof(v));
+          acc[a] = v > acc[a] ? v : acc[a];
+        }
+      }
+      for (; i + kW <= end; i += kW) {
+        v8f v;
+        std::memcpy(&v, x + i, sizeof(v));
+        acc[0] = v > acc[0] ? v : acc[0];
+      }
+      for (int a = 1; a < 4; ++a) acc[0] = acc[a] > acc[0] ? acc[a] : acc[0];
+      for (int l = 0; l < kW; ++l) best = acc[0][l] > best ? acc[0][l] : best;
+    }
+    for (; i < end; ++i) best = x[i] > best ? x[i] : best;
+    out[b] = best;
+  }
+}
+
+// Whether any lane of a comparison result (32 bytes) is set, in 4 words instead of lane by lane.
+inline bool any_lane(const void* mask, size_t bytes) {
+  uint64_t words[4];
+  std::memcpy(words, mask, bytes);
+  return ((words[0] | words[1]) | (words[2] | words[3])) != 0;
+}
+
+// gather_at_least: the indices i (ascending) with x_i >= bound into out (room for V); returns their count.
+inline int64_t gather_at_least(const float* x, int64_t V, float bound, int32_t* out) {
+  int64_t count = 0, i = 0;
+  for (; i + kW <= V; i += kW) {
+    v8f v;
+    std::memcpy(&v, x + i, sizeof(v));
+    const v8i hit = v >= bound;
+    if (!any_lane(&hit, sizeof(hit))) continue;
+    for (int l = 0; l < kW; ++l)
+      if (hit[l]) out[count++] = static_cast<int32_t>(i + l);
+  }
+  for (; i < V; ++i)
+    if (x[i] >= bound) out[count++] = static_cast<int32_t>(i);
+  return count;
+}
+
+// gather_bucket: the indices i (ascending) with bucket_i == b into out (room for V); returns their count.
+inline int64_t gather_bucket(const uint16_t* bucket, int64_t V, int b, int32_t* out) {
+  typedef uint16_t v16u16 __attribute__((vector_size(32)));
+  typedef int16_t v16i16 __attribute__((vector_size(32)));
+  int64_t count = 0, i = 0;
+  const uint16_t want = static_cast<uint16_t>(b);
+  for (; i + 16 <= V; i += 16) {
+    v16u16 v;
+    std::memcpy(&v, bucket + i, sizeof(v));
+    const v16i16 hit = v == want;
+    if (!any_lane(&hit, sizeof(hit))) continue;
+    for (int l = 0; l < 16; ++l)
+      if (hit[l]) out[count++] = static_cast<int32_t>(i + l);
+  }
+  for (; i < V; ++i)
+    if (bucket[i] == want) out[count++] = static_cast<int32_t>(i);
+  return count;
+}
+
 // logsumexp_row: log(sum(exp(x))) of one row as m + log(sum(exp(x - m))), m its maximum (the raw logprobs'
 // normalizer); NaN when the maximum is not finite (a NaN, +inf or a row of -inf: as MLX's expression).
 // exp is the Cephes polynomial (~2 ulp), 0 below -87 (MLX: ~1e-38 at most, nothing at float32 precision).

@@ -26,7 +26,7 @@ from kernels.runtime import mx
 from kernels.sampling import LOG2E
 from metrale.sampling_params import SamplingParams
 
-TOP_P_CANDIDATES = 256  # candidates a top_p row without top_k starts from (x8 while too few)
+TOP_P_CANDIDATES = 256  # MLX ops: candidates a top_p row without top_k starts from (x8 while too few)
 _MASK64 = (1 << 64) - 1
 
 

@@ -6,16 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kernels.runtime import mx
-from kernels.sampling import reference_logsumexp
+from kernels.sampling import TopIds, reference_logsumexp
 from metrale.outputs import TokenLogprob
 from metrale.sampling.batch import SamplingBatch, index_array, row_index
 from metrale.sampling.ops import largest, select
 
 
 def logprob_arrays(logits: mx.array, tokens: mx.array, batch: SamplingBatch,
-                   logsumexp: Callable[[mx.array], mx.array] = reference_logsumexp) -> tuple[mx.array, ...]:
+                   logsumexp: Callable[[mx.array], mx.array] = reference_logsumexp,
+                   top_ids: TopIds | None = None) -> tuple[mx.array, ...]:
     """Raw log_softmax at the sampled token, plus the top-n ids and logprobs, for logprob rows.
-    `logsumexp`: (L, V) -> (L,) (the sampler passes kernels.sampling's)."""
+    `logsumexp`: (L, V) -> (L,), `top_ids`: (L, V), n -> (L, n) (the sampler passes kernels.sampling's)."""
     rows = index_array(batch.logprob_rows)
     raw = select(logits, row_index(list(batch.logprob_rows), batch.num_rows))  # (L, V)
     lse = logsumexp(raw)[:, None]  # (L, 1)
@@ -23,7 +24,7 @@ def logprob_arrays(logits: mx.array, tokens: mx.array, batch: SamplingBatch,
     n = max(batch.num_logprobs)
     if n == 0:
         return (sampled,)
-    values, ids = largest(raw, n)  # (L, n)
+    values, ids = largest(raw, n, top_ids)  # (L, n)
     return sampled, ids, values - lse
 
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 
 from kernels.runtime import mx
-from kernels.sampling import SampleFull
+from kernels.sampling import SampleCandidates, SampleFull, TopIds
 from metrale.sampling.batch import LogitBias, Penalties, RandomGroup, index_array
 
 
@@ -74,9 +74,16 @@ def sample_full(x: mx.array, group: RandomGroup, argmax: Callable[[mx.array], mx
     return inverse_cdf(mx.power(2.0, log2_q), group.uniforms, mode)
 
 
-def sample_candidates(x: mx.array, group: RandomGroup, vocab_size: int) -> mx.array:
-    """top_k / top_p rows: thresholds and sampling over the K largest logits. Returns (R,) int32."""
+def sample_candidates(x: mx.array, group: RandomGroup, vocab_size: int,
+                      kernel: SampleCandidates | None = None) -> mx.array:
+    """top_k / top_p rows: thresholds and sampling over the K largest logits. Returns (R,) int32.
+    `kernel`: kernels.sampling's one-node selection version (float32 logits; no K, no retry), where the
+    sampler has it."""
     logits = select(x, group.rows)  # (R, V)
+    if kernel is not None and logits.dtype == mx.float32:
+        assert group.top_k is not None and group.top_p is not None  # a candidate group has both
+        return kernel(logits, group.scale.reshape(-1), group.log2_min_p.reshape(-1), group.top_k,
+                      group.top_p.reshape(-1), group.uniforms)  # (R,)
     values, ids = largest(logits, group.num_candidates)  # (R, K) descending, (R, K)
     top = values[:, :1]  # (R, 1)
     log2_q = (values - top) * group.scale  # (R, K), <= 0
@@ -97,7 +104,7 @@ def sample_candidates(x: mx.array, group: RandomGroup, vocab_size: int) -> mx.ar
     if uncovered:  # rare: those rows again with 8x the candidates (finally the whole sorted vocabulary)
         wider = subgroup(group, uncovered, min(vocab_size, group.num_candidates * 8))
         tokens = mx.array(tokens)
-        tokens[index_array(uncovered)] = sample_candidates(x, wider, vocab_size)
+        tokens[index_array(uncovered)] = sample_candidates(x, wider, vocab_size)  # the MLX ops again
     return tokens
 
 
@@ -126,13 +133,17 @@ def pick(group: RandomGroup, q: mx.array, mass: mx.array, ids: mx.array) -> mx.a
     return mx.take_along_axis(ids, chosen[:, None], axis=-1)[:, 0].astype(mx.int32)
 
 
-def largest(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The k largest values of each row, descending, and their ids: (R, k), (R, k).
+def largest(logits: mx.array, k: int, top_ids: TopIds | None = None) -> tuple[mx.array, mx.array]:
+    """The k largest values of each row, descending, and their ids: (R, k), (R, k). `top_ids`: kernels.sampling's
+    selection of the ids (float32 logits, k <= V), where the caller has it.
 
     Two levels, exact: the k blocks with the largest maxima hold the k largest values, so only
     nb + k*B values are partitioned instead of V (B ~ sqrt(V / k); ~5x faster for k <= 1024).
     """
     num_rows, vocab = logits.shape
+    if top_ids is not None and logits.dtype == mx.float32 and 1 <= k <= vocab:
+        ids = top_ids(logits, k)  # (R, k) int32, already descending
+        return mx.take_along_axis(logits, ids, axis=-1), ids
     if k > vocab // 2:
         ids = mx.argsort(-logits, axis=-1)[:, :k]
     elif k >= vocab // 4:

@@ -2,8 +2,8 @@
 
 The runner builds a `SamplingBatch` from the step's rows once (`Sampler.prepare`, plain Python in,
 arrays out), then calls `Sampler.sample(logits, batch)`; both run on the MLX thread and the result
-comes back as Python ints after one evaluation (two in a step with a top_p row whose nucleus may
-reach past its candidates, see below). Rows are split on the host by the work they need:
+comes back as Python ints after one evaluation (with the MLX ops, two in a step with a top_p row whose
+nucleus may reach past its candidates, see below). Rows are split on the host by the work they need:
 
     logits (S, V) -> bitmask (grammars, allowed_token_ids), bans (min_tokens, bad words), logit_bias,
                      penalties: each only in steps that have it
@@ -14,7 +14,10 @@ reach past its candidates, see below). Rows are split on the host by the work th
     tokens (S,) = concat(greedy, full, candidate)[inverse_order]
 
 Order of processing as in vLLM: allowed tokens -> bans -> logit_bias -> penalties -> temperature ->
-min_p and top_k -> top_p -> sample. Values tied with the k-th survive top_k. A top_p row without top_k
+min_p and top_k -> top_p -> sample. Values tied with the k-th survive top_k. On the CPU with the kernels
+built (backend "kernel"), the argmax, the full-vocabulary rows, the candidate rows and the logprobs' top-n
+and normalizer are kernels.sampling's one-node kernels (the candidate rows by O(V) selection, no K and no
+retry); metrale.sampling.ops' MLX ops are the reference backend. With those, a top_p row without top_k
 starts from TOP_P_CANDIDATES candidates; a row whose nucleus is larger (rare) is re-run with 8x as many,
 up to the whole vocabulary (checking costs one small host sync in steps that have such rows).
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.sampling import argmax_fn, logsumexp_fn, sample_full_fn
+from kernels.sampling import argmax_fn, logsumexp_fn, sample_candidates_fn, sample_full_fn, top_ids_fn
 from kernels.runtime import mx
 from metrale.outputs import TokenLogprob
 from metrale.sampling import ops
@@ -69,6 +72,8 @@ class Sampler:
         self._builder = BatchBuilder(vocab_size, self.eos_token_ids, seed)
         self._argmax = argmax_fn(backend)  # (..., V) -> (...) uint32, as mx.argmax(x, axis=-1)
         self._sample_full = sample_full_fn(backend)  # None: the MLX ops of ops.sample_full
+        self._sample_candidates = sample_candidates_fn(backend)  # None: ops.sample_candidates' MLX ops
+        self._top_ids = top_ids_fn(backend)  # None: ops.largest's MLX ops
         self._logsumexp = logsumexp_fn(backend)  # (L, V) -> (L,), the raw logprobs' normalizer
 
     def prepare(self, rows: Sequence[SamplingRowLike], bitmask: np.ndarray | None = None) -> SamplingBatch:
@@ -97,13 +102,13 @@ class Sampler:
         if batch.full is not None:
             parts.append(ops.sample_full(x, batch.full, self._argmax, self._sample_full))  # (F,)
         if batch.candidates is not None:
-            parts.append(ops.sample_candidates(x, batch.candidates, self.vocab_size))  # (C,)
+            parts.append(ops.sample_candidates(x, batch.candidates, self.vocab_size, self._sample_candidates))  # (C,)
         tokens = mx.concatenate(parts) if len(parts) > 1 else parts[0]  # (S,) in group order
         if batch.inverse_order is not None:
             tokens = tokens[batch.inverse_order]  # (S,) in row order
         if not batch.logprob_rows:
             return SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
-        arrays = logprob_arrays(logits, tokens, batch, self._logsumexp)
+        arrays = logprob_arrays(logits, tokens, batch, self._logsumexp, self._top_ids)
         mx.eval(tokens, *arrays)
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, logprob_lists(batch, token_ids, *arrays))
