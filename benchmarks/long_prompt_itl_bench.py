@@ -11,8 +11,13 @@ submits one random prompt of `--prompt-len` tokens (max_tokens=1) and records th
 prompt's first token (its TTFT). Then it aborts the streams. A gap is the time between two deltas of a stream
 divided by the tokens the second delta carries. It also logs every step the engine times while the prompt
 runs: the scheduler's estimate and limit against the measured time (`step_*`: the measured time over the
-estimate, the share of steps over their limit, the measured step p99), and the time Python's garbage
-collector paused (`gc_ms`). Variants run alternately, round after round; the median per variant is reported
+estimate, the share of steps over their limit and their measured time over it at p50/p99, the measured step
+p99), and the time Python's garbage collector paused (`gc_ms`). The streams' own step at their context (they
+grow by a token a step while the prompt runs) is measured by the decode-only steps the scheduler runs during
+the prompt (one per 16 chunk steps under a limit): `itl_over_same_context_*` is each gap over the 3 of them
+nearest in time, `step_over_decode_*` each chunk step over them, `step_p99_over_decode_p99` the issue's
+measure in one window, and `decode_noise_*` a decode-only step over its 3 nearest others: the machine's own
+jitter, which no step limit can remove. Variants run alternately, round after round; the median per variant is reported
 (the machine is shared, so load hits every variant alike).
 """
 
@@ -85,20 +90,49 @@ class StepLog:
         else:
             self.gc_pauses.append((now, now - self._gc_started))
 
-    def summary(self, start: float, end: float) -> dict:
+    def decode_only(self, streams: int) -> list[tuple[float, float]]:
+        """(end time, seconds) of the steps that decoded the `streams` streams and nothing else."""
+        return [(s[0], s[1]) for s in self.steps if s[4] == 0 and s[5] == streams]
+
+    def summary(self, start: float, end: float, streams: int) -> dict:
         gc.callbacks.remove(self._on_gc)
         steps = [s for s in self.steps if start < s[0] <= end]
         ratios = [s[1] / s[2] for s in steps if s[2]]
-        limited = [(s[1], s[3]) for s in steps if s[3]]
+        limited = [s[1] / s[3] for s in steps if s[3]]
         chunks = [s[4] for s in steps if s[4]]
+        decode_only = self.decode_only(streams)
+        # a chunk step against the median of the 3 decode-only steps nearest in time: what the relative limit
+        # bounds, at the streams' context and the machine's load of that moment
+        over_decode = [s[1] / near_decode_step(decode_only, s[0], 3) for s in steps if s[4] and decode_only]
+        # the machine's own noise: a decode-only step of the window against the 3 others nearest in time
+        during = [d for d in decode_only if start < d[0] <= end]
+        noise = [d[1] / near_decode_step([o for o in decode_only if o is not d], d[0], 3) for d in during] \
+            if len(decode_only) >= 4 else []
+        nan = float("nan")
         return {"steps": len(steps), "step_p50_ms": 1e3 * statistics.median(s[1] for s in steps),
                 "step_p99_ms": 1e3 * percentile([s[1] for s in steps], 0.99),
-                "step_over_estimate_p50": statistics.median(ratios) if ratios else float("nan"),
-                "step_over_estimate_p99": percentile(ratios, 0.99) if ratios else float("nan"),
-                "steps_over_limit": sum(seconds > limit for seconds, limit in limited) / len(limited) if limited else float("nan"),
-                "limit_p50_ms": 1e3 * statistics.median(limit for _, limit in limited) if limited else float("nan"),
+                "step_over_estimate_p50": statistics.median(ratios) if ratios else nan,
+                "step_over_estimate_p99": percentile(ratios, 0.99) if ratios else nan,
+                "steps_over_limit": sum(r > 1 for r in limited) / len(limited) if limited else nan,
+                "step_over_limit_p50": statistics.median(limited) if limited else nan,
+                "step_over_limit_p99": percentile(limited, 0.99) if limited else nan,
+                "limit_p50_ms": 1e3 * statistics.median(s[3] for s in steps if s[3]) if limited else nan,
+                "step_over_decode_p50": statistics.median(over_decode) if over_decode else nan,
+                "step_over_decode_p90": percentile(over_decode, 0.9) if over_decode else nan,
+                "step_over_decode_p99": percentile(over_decode, 0.99) if over_decode else nan,
+                "decode_noise_p90": percentile(noise, 0.9) if noise else nan,
+                "decode_noise_p99": percentile(noise, 0.99) if noise else nan,
+                # the issue's measure, in one window: the streams' step p99 over their decode-only step p99
+                "step_p99_over_decode_p99": percentile([s[1] for s in steps], 0.99) / percentile([d[1] for d in during], 0.99)
+                if len(during) >= 3 else nan,
                 "chunk_p50": statistics.median(chunks) if chunks else 0.0,
                 "gc_ms": 1e3 * sum(seconds for t, seconds in self.gc_pauses if start < t <= end)}
+
+
+def near_decode_step(decode_only: list[tuple[float, float]], when: float, count: int) -> float:
+    """The median seconds of the `count` decode-only steps that ended nearest to `when`."""
+    nearest = sorted(decode_only, key=lambda step: abs(step[0] - when))[:count]
+    return statistics.median(seconds for _, seconds in nearest)
 
 
 async def measure(model: str | None, scheduling: dict, streams: int, prompt_len: int, baseline_tokens: int,
@@ -136,11 +170,20 @@ async def measure(model: str | None, scheduling: dict, streams: int, prompt_len:
             engine.abort(f"s{i}")
         await asyncio.gather(*tasks)
     before = [gap for g in gaps for t, gap in g[2:] if t < submitted]  # the first gaps include warm-up
-    during = [gap for g in gaps for t, gap in g if submitted < t <= first_token]
+    during = [(t, gap) for g in gaps for t, gap in g if submitted < t <= first_token]
+    # the same-context baseline: each gap against the decode-only steps nearest in time (the scheduler runs one
+    # every 16 chunk steps under a limit): the streams' own decode step at their context and the load of then;
+    # the "before" gaps are at a shorter context (the streams grow by a token a step while the prompt runs)
+    decode_only = log.decode_only(streams)
+    same_context = [gap / near_decode_step(decode_only, t, 3) for t, gap in during] if len(decode_only) >= 3 else []
+    gaps_during = [gap for _, gap in during]
     return {"itl_before_p50_ms": 1e3 * statistics.median(before), "itl_before_p99_ms": 1e3 * percentile(before, 0.99),
-            "itl_during_p50_ms": 1e3 * statistics.median(during), "itl_during_p99_ms": 1e3 * percentile(during, 0.99),
-            "itl_during_max_ms": 1e3 * max(during), "long_ttft_s": first_token - submitted,
-            "tokens_during": len(during), **log.summary(submitted, first_token)}, log.steps
+            "itl_during_p50_ms": 1e3 * statistics.median(gaps_during),
+            "itl_during_p99_ms": 1e3 * percentile(gaps_during, 0.99), "itl_during_max_ms": 1e3 * max(gaps_during),
+            "itl_over_same_context_p50": statistics.median(same_context) if same_context else float("nan"),
+            "itl_over_same_context_p99": percentile(same_context, 0.99) if same_context else float("nan"),
+            "long_ttft_s": first_token - submitted, "tokens_during": len(during),
+            **log.summary(submitted, first_token, streams)}, log.steps
 
 
 def run_variant(variant: str, args) -> dict:

@@ -183,7 +183,7 @@ class Scheduler:
             if r.num_tokens - r.num_computed_tokens == 1:
                 num_decodes += 1
                 num_pairs += r.num_computed_tokens + 1
-        return StepWork(num_decodes, num_pairs)
+        return StepWork.of_decodes(num_decodes, num_pairs)
 
     def _num_decodes_from(self, i: int) -> int:
         """Running decodes at index i and after: the tokens a prompt chunk before them leaves."""

@@ -13,12 +13,14 @@ gets the other (k - 1) parts of each step. Estimates come from a StepCostModel (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler.step_cost import StepCostModel, StepWork
 
 PROBE_TOKENS = 8  # the smaller probe chunk while the cost model learns (the other is twice it)
 EXTRAPOLATION = 2  # a step holds at most this many times the tokens of the largest step the model measured
+MAX_KNEE = 64  # the most tokens a chunk over the limit gets (see StepTimeBudget.knee)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,11 @@ class StepTimeBudget:
     Inactive (every chunk keeps its size) when the step has no decodes to protect or no limit is set.
     While the cost model knows too little, the first chunk is max(min_chunk, 8) tokens, or twice that when
     `probe` is set (the scheduler alternates it): small steps of two sizes that teach it.
-    The first chunk of a step gets at least `min_chunk` tokens even over the limit, so prompts progress.
+    The first chunk of a step gets at least `min_chunk` tokens even over the limit, so prompts progress;
+    when fewer than that fit, the step is over its limit anyway, and the chunk gets the knee instead (the
+    fewest tokens whose own cost outweighs what any chunk costs at its context: reading its KV), if larger:
+    a step over the limit then moves the prompt by more than a token or two (at 4k of context on 135M a
+    1-token chunk cost 38 ms, a 16-token one 114 ms: 7 ms a token, as in a 512-token chunk).
     A step holds at most EXTRAPOLATION x the tokens of the largest step the model measured (its estimates
     of bigger ones are guesses), and when the model's decode-only steps are stale, one step runs without
     prompt chunks to measure them again (the relative limit is a multiple of them).
@@ -89,11 +95,28 @@ class StepTimeBudget:
             return min(num_tokens, self._probe_chunk) if self._chunks == 0 else 0
         if self._chunks == 0 and self._cost_model.wants_decode_step():
             return 0
-        floor = min(num_tokens, self._min_chunk) if self._chunks == 0 else 0
+        wanted = num_tokens
         largest = self._cost_model.largest_known_step()
         if largest is not None:
             num_tokens = min(num_tokens, max(0, EXTRAPOLATION * largest - self._work.num_tokens))
-        return max(floor, self._largest_fitting(start, num_tokens, limit_s))
+        fitting = self._largest_fitting(start, num_tokens, limit_s)
+        if self._chunks > 0 or fitting >= min(wanted, self._min_chunk):
+            return fitting
+        return min(wanted, max(self._min_chunk, min(num_tokens, self.knee(start))))
+
+    def knee(self, start: int) -> int:
+        """The fewest tokens n (1..MAX_KNEE) of a chunk at `start` whose per-token part of the marginal cost
+        is at least its per-chunk part (the context's KV reads): at n the chunk runs at half its best
+        per-token rate or better. 1 when the model charges nothing per chunk."""
+        base = self._cost_model.estimate(self._work)
+        one, two = (self._cost_model.estimate(self._work + StepWork.of_chunk(start, n)) for n in (1, 2))
+        if base is None or one is None or two is None:
+            return 1
+        per_token = two - one  # the cost of one more token (its matmuls, its attention over the context)
+        per_chunk = (one - base) - per_token  # what the chunk costs whatever its length
+        if per_token <= 0.0:
+            return MAX_KNEE if per_chunk > 0.0 else 1
+        return max(1, min(MAX_KNEE, math.ceil(per_chunk / per_token)))
 
     def take_chunk(self, start: int, num_tokens: int) -> None:
         """Charge a scheduled prompt chunk (after fit_chunk; not a decode: those are charged already)."""

@@ -115,6 +115,14 @@ class MlxLmTarget:
     # ---- the generation thread ----
 
     def _run(self) -> None:
+        from kernels.runtime import release_thread_state
+
+        try:
+            self._generate()
+        finally:
+            release_thread_state()  # this thread's MLX state, before it ends (else exit can abort)
+
+    def _generate(self) -> None:
         from kernels.runtime import mx
         from mlx_lm.generate import BatchGenerator
 

@@ -9,7 +9,8 @@ Started by rank 0 (metrale.distributed.launcher) with MLX_RANK / MLX_HOSTFILE se
           its all_sums in step with every other rank; nothing is sampled here
     end of stdin (rank 0 closed it or died): exit 0; any error: exit 1 (rank 0 sees its peer lost)
 
-It exits with os._exit: MLX's native threads can abort the process at interpreter exit.
+It exits with os._exit, skipping the interpreter's teardown, where a thread's MLX random key can abort the
+process (kernels.runtime.release_thread_state).
 """
 
 from __future__ import annotations

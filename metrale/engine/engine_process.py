@@ -196,7 +196,9 @@ def main() -> None:
         status = asyncio.run(server.serve(inbox))
     logging.shutdown()
     sys.stderr.flush()
-    os._exit(status)  # MLX's native threads can abort the process at interpreter exit
+    # No interpreter teardown: nothing is left to run, and a native thread's thread_local destructor racing
+    # it once aborted the process (the MLX thread's random key: kernels.runtime.release_thread_state)
+    os._exit(status)
 
 
 if __name__ == "__main__":

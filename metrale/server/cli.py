@@ -62,7 +62,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 # The server's step limit (an embedded engine has none by default: its chunks then do not depend on timing).
 # Measured (benchmarks/results/long_prompt_sched.md): with 4 streams and an 8k prompt on 135M the streams'
 # ITL p50 fell from 1.6 s to 135 ms at 1.00x TTFT for the prompt (quiet machine; 1.13-1.38x when busy); 1B with
-# a 4k prompt: 3.5 s to 409 ms at 1.27x. A smaller factor costs the prompt more: 2x measured 3.2-5.4x TTFT.
+# a 4k prompt: 3.5 s to 409 ms at 1.27x. A smaller factor costs the prompt more: 2x measured 2.9-5.4x TTFT
+# (135M and 1B) and still gave a step p99 2.4-2.5x the streams' own decode-only p99 on a loaded machine.
 SERVE_MAX_STEP_FACTOR = 8.0
 
 
@@ -88,9 +89,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time limit of a step that decodes: a long prompt's chunks shrink to fit it "
                              "(the streams keep their pace); omitted: no absolute limit")
     engine.add_argument("--max-step-factor", type=_factor_or_none, default=SERVE_MAX_STEP_FACTOR,
-                        help="relative limit of a step that decodes: this many times the measured time of its "
-                             "decodes alone, so a long prompt does not stall the streams (with --max-step-ms: "
-                             f"the smaller limit holds); 'none' turns it off (default: {SERVE_MAX_STEP_FACTOR:g})")
+                        help="the streams' inter-token latency target while long prompts are processed, as a "
+                             "multiple of their decode-only step: a step that decodes takes at most this many "
+                             "times the measured time of its decodes alone (with --max-step-ms: the smaller limit "
+                             "holds); a smaller factor slows the long prompt (its TTFT is at least K/(K-1) of its "
+                             f"compute); 'none' turns it off (default: {SERVE_MAX_STEP_FACTOR:g})")
     engine.add_argument("--min-prefill-chunk", type=int, default=defaults.min_prefill_chunk,
                         help="prompt tokens a step's first chunk gets even over the step's time limit")
     engine.add_argument("--kv-cache-mib", type=int, default=defaults.kv_cache_bytes >> 20,
@@ -336,9 +339,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app.on_fatal = server.fail
     logger.info("listening on %s", ", ".join(f"[{h}]:{args.port}" if ":" in h else f"{h}:{args.port}" for h in hosts))
     server.run(sockets=sockets)
-    # The engine is shut down and every request has ended. Exit without running C++ static
-    # destructors: about 1 run in 20, a native thread torn down at interpreter exit aborted the
-    # process ("terminate called without an active exception", SIGABRT) after a clean drain.
+    # The engine is shut down and every request has ended. Exit without the interpreter's teardown:
+    # a thread's MLX random key destroyed during it once aborted the process after a clean drain
+    # ("terminate called without an active exception"; kernels.runtime.release_thread_state).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

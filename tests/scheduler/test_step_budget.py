@@ -91,3 +91,21 @@ def test_relative_limit_keeps_its_chunks_when_every_step_slows_down_and_an_absol
     teach_steps(model, scaled(2.0), 40)  # the machine got busy: every step takes twice as long
     assert StepTimeBudget(model, StepLimit(decode_factor=2.0), 1, decodes).fit_chunk(4000, 500) == relative > 1
     assert StepTimeBudget(model, StepLimit(0.030), 1, decodes).fit_chunk(4000, 500) < absolute
+
+
+def test_a_step_over_its_limit_anyway_gets_a_chunk_at_the_knee_not_one_token():
+    # per token 1 ms + 1 us per context token; per chunk 1 us per context token: at 8000, ~8 ms a chunk
+    model = Linear(fixed=0.004, per_token=0.001, per_pair=1e-6, per_context=1e-6)
+    decodes = StepWork.of_decodes(4, 400)
+    over = StepTimeBudget(model, StepLimit(0.010), min_chunk=1, decodes=decodes)
+    assert over.knee(8000) == 1  # 9 ms a token, 8 ms a chunk: one token already outweighs the chunk
+    cheap = Linear(fixed=0.004, per_token=0.0001, per_pair=1e-8, per_context=1e-6)
+    budget = StepTimeBudget(cheap, StepLimit(0.010), min_chunk=1, decodes=decodes)
+    assert budget.knee(8000) == 45  # 8.0 ms a chunk over 0.18 ms a token
+    assert budget.fit_chunk(8000, 500) == 45  # even 1 token is over 10 ms: the step moves 45, not 1
+    roomy = StepTimeBudget(cheap, StepLimit(0.020), min_chunk=1, decodes=decodes)
+    fitting = roomy.fit_chunk(8000, 500)
+    assert 1 <= fitting < 45  # what fits the limit, even below the knee: the limit comes first
+    work = decodes + StepWork.of_chunk(8000, fitting)
+    assert cheap.estimate(work) <= 0.020 < cheap.estimate(work + StepWork.of_chunk(8000 + fitting, 1))
+    assert StepTimeBudget(Linear(), StepLimit(0.010), 1, decodes).knee(8000) == 1  # nothing per chunk

@@ -8,15 +8,15 @@ from scheduler.step_cost import OnlineStepCost, StepWork, attention_pairs
 
 
 def true_cost(work: StepWork) -> float:
-    return 0.004 + 0.0005 * work.num_tokens + 2e-8 * work.num_attention_pairs
+    return 0.004 + 0.0005 * work.num_tokens + 2e-8 * work.num_attention_pairs + 3e-6 * work.num_context_tokens
 
 
 def teach(model: OnlineStepCost, cost=true_cost) -> None:
     """Decode-only steps of 4 streams and prompt chunks of several sizes at growing contexts."""
     for context in (10, 300, 900):
-        decodes = StepWork(4, 4 * context)
+        decodes = StepWork.of_decodes(4, 4 * context)
         model.observe(decodes, cost(decodes))
-    for start, n in ((0, 512), (512, 512), (4096, 64), (8000, 192)):
+    for start, n in ((0, 512), (512, 512), (4096, 64), (8000, 192), (6000, 8)):
         chunk = StepWork.of_chunk(start, n)
         model.observe(chunk, cost(chunk))
 
@@ -24,15 +24,27 @@ def teach(model: OnlineStepCost, cost=true_cost) -> None:
 def test_attention_pairs_count_causal_query_key_pairs():
     assert attention_pairs(0, 1) == 1
     assert attention_pairs(5, 3) == 6 + 7 + 8
-    assert StepWork.of_chunk(5, 3) == StepWork(3, 21, True)
+    assert StepWork.of_chunk(5, 3) == StepWork(3, 21, True, 8)
     assert StepWork.of_chunk(7, 1).has_chunk is False
+    assert StepWork.of_decodes(4, 400) == StepWork(4, 400, False, 400)
 
 
-def test_learns_the_three_coefficients_from_exact_times():
+def test_learns_the_four_coefficients_from_exact_times():
     model = OnlineStepCost()
     teach(model)
-    for work in (StepWork(4, 40), StepWork.of_chunk(6000, 100), StepWork(300, 10**7, True)):
+    for work in (StepWork.of_decodes(4, 40), StepWork.of_chunk(6000, 100), StepWork(300, 10**7, True, 9000)):
         assert model.estimate(work) == pytest.approx(true_cost(work), rel=1e-6)
+
+
+def test_a_small_chunk_at_a_long_context_costs_its_context_reads():
+    """A chunk's KV reads cost whatever its length (measured: 1 token at 8k ~56 ms, 4 tokens ~64 ms on
+    135M): a fit that knows the term prices a 1-token chunk at 8k far above a quarter of a 4-token one."""
+    model = OnlineStepCost()
+    teach(model)
+    decodes = StepWork.of_decodes(4, 1000)
+    one, four = (model.estimate(decodes + StepWork.of_chunk(8000, n)) - model.estimate(decodes) for n in (1, 4))
+    assert one == pytest.approx(0.0005 + 2e-8 * 8001 + 3e-6 * 8001, rel=1e-6)
+    assert one > 0.5 * four
 
 
 def test_knows_nothing_until_chunks_and_two_token_counts_were_seen():
@@ -90,14 +102,15 @@ def test_window_must_hold_the_observations_it_waits_for():
 
 
 class Linear:
-    """A known cost: fixed + per_token * tokens + per_pair * pairs (seconds)."""
+    """A known cost: fixed + per_token * tokens + per_pair * pairs + per_context * context tokens (seconds)."""
 
-    def __init__(self, fixed=0.01, per_token=0.001, per_pair=0.0):
-        self.terms = (fixed, per_token, per_pair)
+    def __init__(self, fixed=0.01, per_token=0.001, per_pair=0.0, per_context=0.0):
+        self.terms = (fixed, per_token, per_pair, per_context)
 
     def estimate(self, work):
-        fixed, per_token, per_pair = self.terms
-        return fixed + per_token * work.num_tokens + per_pair * work.num_attention_pairs
+        fixed, per_token, per_pair, per_context = self.terms
+        return (fixed + per_token * work.num_tokens + per_pair * work.num_attention_pairs
+                + per_context * work.num_context_tokens)
 
     def observe(self, work, seconds):
         raise AssertionError("a fixed model learns nothing")
@@ -139,6 +152,6 @@ def test_the_work_of_a_step_counts_a_one_token_prompt_chunk_as_a_chunk():
     decode = ScheduledRequest("d", (5,), 40, (0, 1, 2), samples=True, num_draft_tokens=2)
     one = ScheduledRequest("p", (6,), 100, (3,) * 7, samples=False)  # a prompt's 1-token chunk, not its last
     output = SchedulerOutput((decode,), 3, (), 16)
-    assert StepWork.of_output(output) == StepWork(3, attention_pairs(40, 3), False)
+    assert StepWork.of_output(output) == StepWork(3, attention_pairs(40, 3), False, 43)
     both = SchedulerOutput((decode, one), 4, (), 16)
-    assert StepWork.of_output(both) == StepWork(4, attention_pairs(40, 3) + 101, True)
+    assert StepWork.of_output(both) == StepWork(4, attention_pairs(40, 3) + 101, True, 43 + 101)

@@ -163,3 +163,50 @@ def test_the_relative_limit_follows_the_decode_step_the_engine_teaches():
     assert len(sizes) < 120
     assert all(c >= 1 for c, _ in sizes) and all(c <= 13 for c, _ in settled + slowed)
     sched.check_integrity()
+
+
+def true_step_seconds(out, per_context: float) -> float:
+    """A fake clock: what a step takes on a made-up machine whose attention reads cost per context token."""
+    work = StepWork.of_output(out)
+    return 0.010 + 0.001 * work.num_tokens + 1e-8 * work.num_attention_pairs + per_context * work.num_context_tokens
+
+
+def run_long_prompt(sched: Scheduler, per_context: float, prompt: int) -> list[tuple[int, float, float]]:
+    """4 streams and one long prompt, the cost model taught by the fake clock: per step with a chunk, (its
+    tokens, its seconds, its limit); then the streams end and every block must be free."""
+    start_streams(sched)
+    sched.add(make_request("long", prompt, max_tokens=1, arrival_time=10.0))
+    steps = []
+    while sched.get_request("long") is not None:
+        assert len(steps) < prompt  # the prompt progresses: it cannot starve
+        out = sched.schedule()
+        seconds = true_step_seconds(out, per_context)
+        sched.observe_step(out, seconds)
+        sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
+        assert all(chunks_of(out, f"s{i}") == [1] for i in range(4))  # every stream, every step
+        if chunks_of(out, "long"):
+            steps.append((chunks_of(out, "long")[0], seconds, sched.last_step_limit))
+    for i in range(4):
+        sched.finish(f"s{i}", RequestStatus.FINISHED_ABORTED)
+    sched.check_integrity()
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks  # every block freed
+    return steps
+
+
+def test_a_learned_relative_limit_holds_when_chunks_cost_their_context_reads():
+    sched = make(None, num_blocks=1024, max_step_factor=2.0, min_prefill_chunk=1)
+    steps = run_long_prompt(sched, per_context=5e-6, prompt=1200)
+    learned = steps[20:]  # after the probes and the first fits
+    assert sum(n for n, _, _ in steps) == 1200
+    assert all(seconds <= 1.02 * limit for _, seconds, limit in learned)  # exact clock: the fit is exact
+    assert max(seconds / limit for _, seconds, limit in learned) > 0.9  # and the chunks fill the step
+
+
+def test_when_no_chunk_fits_the_limit_the_prompt_moves_by_the_knee_not_a_token():
+    sched = make(None, num_blocks=1024, max_step_factor=2.0, min_prefill_chunk=1)
+    steps = run_long_prompt(sched, per_context=5e-5, prompt=2000)  # 50 ms a chunk at 1000: over 2x the decodes
+    over = [(n, seconds, limit) for n, seconds, limit in steps[20:] if seconds > limit]
+    assert over  # from some context on, nothing fits: those steps are over the limit anyway
+    # ...and each takes ~a chunk's fixed cost in tokens (one more token costs ~1 ms + its attention)
+    assert all(n >= 10 for n, _, _ in over)
+    assert sum(n for n, _, _ in steps) == 2000 and len(steps) < 120  # 1-token chunks: ~1,000 steps
