@@ -1,11 +1,15 @@
 """Prompt processing and decode on the real default model at long contexts, before/after in one run.
 
     .venv/bin/python benchmarks/long_prompt_bench.py --before /work/main --rounds 2
+    .venv/bin/python benchmarks/long_prompt_bench.py --model /tmp/metrale-shapes/llama-1b-q4_0.gguf \
+        --variants "after f16" --rounds 1 --decode-steps 2
 
-Each variant is a fresh process (`--worker`) that loads the default model (SmolLM2-135M Q4_1), prefills
+Each variant is a fresh process (`--worker`) that loads the model (`--model`, a GGUF; default: the default
+model, SmolLM2-135M Q4_1), prefills
 a random prompt of N tokens in chunks of `--chunk` (as the scheduler's max_num_batched_tokens) through
 the model's forward over a paged cache, then decodes `--decode-steps` tokens one at a time; it prints the
-prompt tok/s and the mean decode step per N. Variants: "before f32" / "before f16" (the tree at --before
+prompt tok/s and the mean decode step per N, and each length's prompt rate as a ratio of the first's
+(the target: >= 0.9 up to 8k). Variants: "before f32" / "before f16" (the tree at --before
 with a float32 / float16 cache), "after f32" and "after f16" (this tree). They run alternately, round after
 round, and the median per variant is reported: the machine is shared, so load hits every variant alike.
 The model forward only: no scheduler, sampling or HTTP (their cost does not grow with the context).
@@ -25,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 
 
-def worker(lengths: list[int], chunk: int, decode_steps: int, kv_dtype: str) -> None:
+def worker(model_path: str | None, lengths: list[int], chunk: int, decode_steps: int, kv_dtype: str) -> None:
     import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
     import mlx.core as mx
     import numpy as np
@@ -35,7 +39,7 @@ def worker(lengths: list[int], chunk: int, decode_steps: int, kv_dtype: str) -> 
     from metrale.engine.step import ForwardInput
     from metrale.loading import load_model
 
-    loaded = load_model(None, dtype=None)
+    loaded = load_model(model_path, dtype=None)
     mc, model = loaded.config, loaded.model
     backend = select_backends().attention
     block = 16
@@ -69,7 +73,8 @@ def worker(lengths: list[int], chunk: int, decode_steps: int, kv_dtype: str) -> 
 
 def run_variant(tree: Path, kv_dtype: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, str(HERE), "--worker", "--kv-dtype", kv_dtype, "--chunk", str(args.chunk),
+    model = ["--model", str(Path(args.model).resolve())] if args.model else []
+    cmd = [sys.executable, str(HERE), "--worker", *model, "--kv-dtype", kv_dtype, "--chunk", str(args.chunk),
            "--decode-steps", str(args.decode_steps), "--lengths", *map(str, args.lengths)]
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
     line = next(line for line in out.splitlines() if line.startswith("RESULT "))
@@ -79,6 +84,7 @@ def run_variant(tree: Path, kv_dtype: str, args) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path, help="a checkout of the code before (float32 cache); omitted: after only")
+    p.add_argument("--model", help="a GGUF file (default: the default model)")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8192])
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=16)
@@ -88,7 +94,7 @@ def main(argv=None) -> None:
     p.add_argument("--kv-dtype", default="float16", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.lengths, args.chunk, args.decode_steps, args.kv_dtype)
+        worker(args.model, args.lengths, args.chunk, args.decode_steps, args.kv_dtype)
         return
     variants = {"after f16": (HERE.parents[1], "float16"), "after f32": (HERE.parents[1], "float32")}
     if args.before is not None:
@@ -109,6 +115,12 @@ def main(argv=None) -> None:
             cells.append(f"{statistics.median(x[n]['prompt_tok_s'] for x in rs):12.0f} "
                          f"{statistics.median(x[n]['decode_ms'] for x in rs):11.1f}")
         print(f"{name:12s} " + " ".join(cells))
+    first = args.lengths[0]
+    for name, rs in runs.items():
+        base = statistics.median(x[first]["prompt_tok_s"] for x in rs)
+        rates = {n: statistics.median(x[n]["prompt_tok_s"] for x in rs) for n in args.lengths}
+        ratios = " ".join(f"{n}: {rate / base:.2f}" for n, rate in rates.items())
+        print(f"{name:12s} prompt rate / rate at {first}: {ratios}")
 
 
 if __name__ == "__main__":

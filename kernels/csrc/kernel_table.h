@@ -33,9 +33,10 @@ struct DecodeDims {
 
 // Paged prefill attention (attention_kernel.h): one sequence's chunk of q_len queries at positions
 // first_position .. first_position + q_len - 1 over its paged context, flash style (key tiles of
-// kPrefillKeys, online softmax), one task per (kv head, tile of kPrefillQueries queries).
-constexpr int kPrefillKeys = 64;
-constexpr int kPrefillQueries = 16;
+// kPrefillKeys, online softmax), one task per (kv head, tile of up to kPrefillQueries queries: all of
+// them at head_dim <= 64, half above, paged_prefill.cpp).
+constexpr int kPrefillKeys = 32;
+constexpr int kPrefillQueries = 32;
 constexpr int kPrefillRowPad = 16;  // a task's rows (queries x rep) are padded to whole 16-float vectors
 
 constexpr int prefill_padded_rows(int rows) { return (rows + kPrefillRowPad - 1) / kPrefillRowPad * kPrefillRowPad; }

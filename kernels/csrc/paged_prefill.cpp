@@ -31,19 +31,26 @@ std::string shape_of(const mx::array& a) {
   return os.str();
 }
 
+// Queries per task: a task's working set (queries^T and outputs, rows x head_dim each, the score tile
+// and the widened K/V tile) stays near L1 + L2: 32 queries at head_dim <= 64, 16 above. Measured with the
+// 1B shape (4 query heads per kv head) at context 4k, one core: 32 x 32 keys beat 16 x 64 by ~10% at
+// head_dim 64; at 128, 32 queries lost ~10% (benchmarks/prefill_attention_bench.py).
+int query_tile(int head_dim) { return head_dim <= 64 ? kPrefillQueries : kPrefillQueries / 2; }
+
 void run_prefill(const PrefillDims dm, Dtype dtype, const float* q, const void* kp, const void* vp,
                  const int32_t* table, float* out) {
   const auto& kernels = cpu_kernels();
-  const int tiles = (dm.q_len + kPrefillQueries - 1) / kPrefillQueries, n_tasks = tiles * dm.n_kv;
+  const int tile_q = query_tile(dm.head_dim);
+  const int tiles = (dm.q_len + tile_q - 1) / tile_q, n_tasks = tiles * dm.n_kv;
   const int64_t keys = static_cast<int64_t>(dm.first_position) + dm.q_len;
   const int64_t work = static_cast<int64_t>(dm.q_len) * (dm.window > 0 ? std::min<int64_t>(keys, dm.window) : keys) * dm.n_heads;
   const int width = work < kMinParallelWork ? 1 : std::min(num_threads(), n_tasks);
-  const int rows = kPrefillQueries * (dm.n_heads / dm.n_kv);
+  const int rows = tile_q * (dm.n_heads / dm.n_kv);
   const int64_t per_thread = prefill_scratch_floats(rows, dm.head_dim);
   std::vector<float> scratch(per_thread * width);  // allocated here, so the tasks never allocate
   parallel_for(n_tasks, width, [&](int task, int me) {
     const int tile = tiles - 1 - task / dm.n_kv, g = task % dm.n_kv;  // the longest rows first
-    const int q_begin = tile * kPrefillQueries, q_end = std::min(dm.q_len, q_begin + kPrefillQueries);
+    const int q_begin = tile * tile_q, q_end = std::min(dm.q_len, q_begin + tile_q);
     kernels.prefill_task(dm, dtype, q, kp, vp, table, out, scratch.data() + me * per_thread, g, q_begin, q_end);
   });
 }

@@ -118,7 +118,7 @@ def test_decode_over_int8_pools_matches_float64_attention_of_the_dequantized_val
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("window", [None, 50])
 def test_a_prompt_in_chunks_over_cached_int8_kv_matches_float64_attention(n_heads, n_kv, head_dim, window, isa):
-    """A 150-token prompt prefilled in chunks of 48 (key tiles of 64, blocks of 16 crossed mid-chunk):
+    """A 150-token prompt prefilled in chunks of 48 (key tiles of 32, blocks of 16 crossed mid-chunk):
     each chunk writes its K/V through PagedKVCache.write (the kernel quantizes), then attends over
     everything cached so far with the paged prefill kernel."""
     rng = np.random.default_rng(head_dim + n_heads)

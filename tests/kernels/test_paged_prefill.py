@@ -27,7 +27,7 @@ def widened(a, dtype):
 @pytest.mark.parametrize("window", [None, 1, 100])
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 4, 24), (16, 2, 8), (8, 2, 64)])
 def test_chunks_over_many_key_tiles_match_dense(dtype, window, n_heads, n_kv, head_dim):
-    """A chunk of 37 queries after a 263-token prefix (five key tiles of 64, a partial query tile), and
+    """A chunk of 37 queries after a 263-token prefix (ten key tiles of 32, a partial query tile), and
     a first chunk of 21: every row equals dense attention over the values the pool holds."""
     rng = np.random.default_rng(5)
     cache, contexts, queries, md, tables = make_step(rng, [37, 21], [300, 21], block_size=16, n_heads=n_heads,
@@ -62,10 +62,10 @@ def test_the_gathered_path_agrees_with_the_kernel():
 @needs_prefill
 def test_a_block_outside_the_pool_gives_nan_rows_not_a_crash():
     pool = mx.ones((64, 1, 8))  # 4 blocks of 16
-    out = ext.paged_prefill(mx.ones((32, 1, 8)), pool, pool, mx.array([0, 9], dtype=mx.int32), first_position=0,
-                            scale=1.0, block_size=16, window=0)
-    out = np.array(out)  # (32, 1, 8): query tile 0 (16 queries, positions 0..15) reads block 0 only,
-    assert np.isfinite(out[:16]).all() and np.isnan(out[16:]).all()  # tile 1 reaches block 9
+    out = ext.paged_prefill(mx.ones((64, 1, 8)), pool, pool, mx.array([0, 1, 9, 2], dtype=mx.int32),
+                            first_position=0, scale=1.0, block_size=16, window=0)
+    out = np.array(out)  # (64, 1, 8): query tile 0 (32 queries, positions 0..31) reads blocks 0 and 1 only,
+    assert np.isfinite(out[:32]).all() and np.isnan(out[32:]).all()  # tile 1 reaches block 9
 
 
 @needs_prefill
