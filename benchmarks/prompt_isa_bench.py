@@ -1,7 +1,7 @@
 """Prompt processing (TTFT of one long prompt) per kernel set and activation precision, alternating in one run.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/prompt_isa_bench.py --model /tmp/metrale-shapes/llama-1b-q4_0.gguf
-    ... --variants avx512/int16 avx512_amx/int16 avx512_amx/auto --rounds 3 --prompt-len 512
+    ... --variants avx512/int16 avx512_amx/int16 avx512_amx/int12 avx512_amx/auto --rounds 3 --prompt-len 512
 
 Each variant is a fresh process (`--worker`) with METRALE_CPU_ISA and METRALE_QMM_ACTIVATIONS set from its
 name (isa/precision); it loads the GGUF into an AsyncEngine (in process, metrale's load generator), warms up,
@@ -56,7 +56,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="/tmp/metrale-shapes/llama-1b-q4_0.gguf")
-    p.add_argument("--variants", nargs="+", default=["avx512/int16", "avx512_amx/int16", "avx512_amx/auto"])
+    p.add_argument("--variants", nargs="+", default=["avx512/int16", "avx512/int12", "avx512_amx/int16",
+                                                     "avx512_amx/int12"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompts", type=int, default=2, help="timed prompts per variant and round")
     p.add_argument("--prompt-len", type=int, default=512)

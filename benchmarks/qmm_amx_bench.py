@@ -49,12 +49,30 @@ def amx_peak() -> dict:
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
+# calls of each shape in one Llama-3.2-1B forward: per layer q, o (2048x2048), k, v, gate, up, down; the lm_head
+FORWARD_CALLS = {"q/o 2048x2048": 32, "k/v 512x2048": 32, "gate|up 8192x2048": 32, "down 2048x8192": 16,
+                 "lm_head 128256x2048": 1}
+
+
+def print_forward(rows: list[dict], variants: list[str], tokens: list[int]) -> None:
+    """The matmul ms of one 1B forward per variant and T (sum of the shapes' median ms x their calls)."""
+    print("\n| one 1B forward's matmuls, ms | " + " | ".join(variants) + " |")
+    print("|---:|" + "---:|" * len(variants))
+    for t in tokens:
+        ms = {v: sum(r["ms"][v] * FORWARD_CALLS[r["shape"]] for r in rows if r["tokens"] == t) for v in variants}
+        print(f"| T = {t} | " + " | ".join(f"{ms[v]:.0f}" for v in variants) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 512])
-    p.add_argument("--variants", nargs="+", default=["avx512/16", "avx512/8", "avx512_amx/16", "avx512_amx/8"])
+    p.add_argument("--variants", nargs="+", default=["avx512/16", "avx512/12", "avx512/8", "avx512_amx/16",
+                                                     "avx512_amx/12", "avx512_amx/8"])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--wall", action="store_true", help="time wall-clock seconds (several kernel threads)")
+    p.add_argument("--forward", action="store_true",
+                   help="also k/v 512x2048 and the lm_head 128256x2048, and the matmul ms of one 1B forward "
+                        "(16 layers of q, k, v, o, gate, up, down + lm_head) per variant and T")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not 1 <= args.repeat <= 100 or not all(1 <= t <= 8192 for t in args.tokens):
@@ -69,7 +87,10 @@ def main() -> None:
     rows = []
     print("| shape | T | " + " | ".join(v for v, _, _ in variants) + " |")
     print("|---|---:|" + "---:|" * len(variants))
-    for name, (n, k) in SHAPES["1b"].items():
+    shapes = dict(SHAPES["1b"])
+    if args.forward:
+        shapes |= {"k/v 512x2048": (512, 2048), "lm_head 128256x2048": (128256, 2048)}
+    for name, (n, k) in shapes.items():
         q, s, b = random_packed(n, k, seed=n + k)
         for tokens in args.tokens:
             x = mx.random.normal((tokens, k), key=mx.random.key(tokens))
@@ -84,9 +105,12 @@ def main() -> None:
                         times[label].append(clock() - start)
             ext.set_cpu_isa("auto")
             gflops = {v: 2 * n * k * tokens / statistics.median(t) / 1e9 for v, t in times.items()}
-            rows.append({"shape": name, "tokens": tokens, "gflops": gflops})
+            rows.append({"shape": name, "tokens": tokens, "gflops": gflops,
+                         "ms": {v: 1e3 * statistics.median(t) for v, t in times.items()}})
             print(f"| {name} | {tokens} | " + " | ".join(f"{gflops[v]:.0f}" for v, _, _ in variants) + " |",
                   flush=True)
+    if args.forward:
+        print_forward(rows, [v for v, _, _ in variants], args.tokens)
     peak = amx_peak()
     if peak:
         print(f"AMX probe of one core (GOP/s; *_ns: ns per product): {peak}")

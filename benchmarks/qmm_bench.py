@@ -10,7 +10,7 @@ in parentheses, the fastest. Rows:
   mlx-quant    MLX's own CPU quantized_matmul on the checkpoint's triples (--mlx-quantized; slow)
   <isa>/int16  the kernels (kernels/qmm.py) as the model runs them: q/k/v fused into one call,
                gate/up fused with the SwiGLU epilogue, the tied lm_head from the 8-bit embedding;
-               int16 or int8 activations (--activations)
+               int16, int12 or int8 activations (--activations)
 Also the weight bytes each path reads and the ratio float32 / qmm. Compare ratios from one run; on a
 busy machine `--clock cpu` with METRALE_ATTENTION_THREADS=1 OPENBLAS_NUM_THREADS=1 compares the work of one
 core (OpenBLAS and the kernels each on one thread).
@@ -88,8 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--isa", nargs="+", default=None, help="kernel sets to time (default: the best one)")
-    parser.add_argument("--activations", type=int, nargs="+", default=[16, 8], choices=(8, 16),
-                        help="activation precisions to time (int16: the default; int8: llama.cpp's Q8)")
+    parser.add_argument("--activations", type=int, nargs="+", default=[16, 8], choices=(8, 12, 16),
+                        help="activation precisions to time (int16: the default; int12; int8: llama.cpp's Q8)")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--mlx-quantized", action="store_true", help="also time MLX's CPU quantized_matmul")
     parser.add_argument("--clock", choices=sorted(CLOCK), default="wall",

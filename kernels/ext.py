@@ -196,7 +196,7 @@ def gelu_tanh_mul(gate, up):
 def quantized_matmul(x, q, scales, biases, *, bits, group_size, columns, glu=-1, activation_bits=16):
     """x (..., K) float32 times a packed affine weight (kernels/qmm.py): a list with one float32
     (..., columns[j]) per output j; glu 0 (silu) / 1 (gelu_tanh) fuses act(gate) * up; x is
-    quantized per 32 values to int8 or int16 (activation_bits 8 | 16). Needs load()."""
+    quantized per 32 values to int8, int12 or int16 (activation_bits 8 | 12 | 16). Needs load()."""
     return _module().quantized_matmul(x, q, scales, biases, bits=bits, group_size=group_size, columns=columns,
                                       glu=glu, activation_bits=activation_bits)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 BACKEND_CHOICES = ("auto", "kernel", "reference")
 # METRALE_QMM_ACTIVATIONS -> activation bits; 0: auto, chosen per call (kernels.backend.activation_bits_for)
-ACTIVATION_PRECISIONS = {"auto": 0, "int16": 16, "int8": 8}
+ACTIVATION_PRECISIONS = {"auto": 0, "int16": 16, "int12": 12, "int8": 8}
 DEFAULT_SPIN_US = 50
 
 
@@ -32,7 +32,7 @@ class KernelSettings:
     attention: str = "auto"  # METRALE_ATTENTION: paged attention (decode rows, prefill softmax, K/V writes)
     activations: str = "auto"  # METRALE_KERNELS: gated activations, fused RMSNorm and RoPE
     matmul: str = "auto"  # METRALE_MATMUL: quantized linear layers kept quantized (CPU kernels)
-    qmm_activations: str = "int16"  # METRALE_QMM_ACTIVATIONS: auto | int16 | int8 activations of those kernels
+    qmm_activations: str = "int16"  # METRALE_QMM_ACTIVATIONS: auto | int16 | int12 | int8 activations of those kernels
     # process-wide, applied once (kernels/ext.py when the extension loads, kernels/runtime.py before mlx):
     cpu_isa: str = "auto"  # METRALE_CPU_ISA: the kernels' instruction set (the extension checks the name)
     openblas: str | None = None  # METRALE_OPENBLAS: the library's path, "none", or None to search
@@ -45,7 +45,7 @@ class KernelSettings:
             if value not in BACKEND_CHOICES:
                 raise ValueError(f"{variable}={value!r}: expected one of {', '.join(BACKEND_CHOICES)}")
         if self.qmm_activations not in ACTIVATION_PRECISIONS:
-            raise ValueError(f"METRALE_QMM_ACTIVATIONS={self.qmm_activations!r}: expected auto, int16 or int8")
+            raise ValueError(f"METRALE_QMM_ACTIVATIONS={self.qmm_activations!r}: expected auto, int16, int12 or int8")
         for variable, number, low in (("METRALE_ATTENTION_THREADS", self.attention_threads, 1),
                                       ("METRALE_SPIN_US", self.spin_us, 0)):
             if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < low):
@@ -53,7 +53,7 @@ class KernelSettings:
 
     @property
     def activation_bits(self) -> int:
-        """16 or 8: how finely the quantized matmul kernels round activations; 0 for auto (per call)."""
+        """16, 12 or 8: how finely the quantized matmul kernels round activations; 0 for auto (per call)."""
         return ACTIVATION_PRECISIONS[self.qmm_activations]
 
     @classmethod

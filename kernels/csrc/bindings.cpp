@@ -68,7 +68,8 @@ NB_MODULE(_kernels, m) {
         "x (..., K) float32 times packed affine weights (kernels/qmm.py), on the CPU stream.\n\n"
         "Returns one float32 (..., columns[j]) array per output j; with glu 0 (silu) or 1 (gelu_tanh)\n"
         "one output act(x Wg^T) * (x Wu^T) from (gate, up) panel pairs. activation_bits: 8 (int8\n"
-        "activations per 32 values, as llama.cpp) or 16 (int16, as two int8 halves).");
+        "activations per 32 values, as llama.cpp), 12 (int12, as two int8 planes) or 16 (int16, as two int8\n"
+        "halves).");
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");

@@ -74,22 +74,38 @@ struct QmmWeights {
   bool f16_scales;  // scales / biases are float16 bits (else float32)
 };
 
-// Activations x (T, K) float32 quantized per row and block of 32 values, m = max|x| per block:
-//   int8 (xlo null)  X = round(x / d), d = m / 127:       xq (T, K) int8 = X
-//   int16            X = round(x / d), d = m / kWideMax:  X = 255 hi + lo, xq = hi, xlo = lo (int8 each)
+// Activations x (T, K) float32 quantized per row and block of 32 values, m = max|x| per block, to
+// `bits` 8, 12 or 16:
+//   8   X = round(x / d), d = m / 127:        one int8 plane, xq (T, K) = X
+//   12  X = round(x / d), d = m / kMidMax:    X = 16 hi + lo, hi = X >> 4 (-127..127), lo = X & 15 (0..15)
+//   16  X = round(x / d), d = m / kWideMax:   X = 255 hi + lo, |hi|, |lo| <= 127
+//   12 and 16 (two planes) are stored interleaved per block: xq (T, 2K), block b of token t is 64 bytes,
+//   [hi 32 | lo 32] (one 64-byte AMX tile row per token and block: with 4-bit weights the int12 block is
+//   one K = 64 tile product against [16 q ; q]); act_at says where a block starts.
 //   xd (T, K / 32) float32 the d;  xisum (T, K / 32) int32 sums of X per block;
 //   xsum (T, K / group_size) float32 sums of the quantized x (d X) per weight group (the bias term).
 constexpr int kWideMax = 127 * 256;  // |X| <= 32512: |hi| = |round(X / 255)| <= 127, |lo| <= 127
+constexpr int kMidMax = 127 * 16;    // |X| <= 2032: hi = floor(X / 16) >= -127 (AVX2's sign trick needs > -128)
 
 struct QmmActs {
   int8_t* xq;
-  int8_t* xlo;
   float* xd;
   float* xsum;
   int32_t* xisum;
   int64_t tokens;
   int K, group_size;
+  int bits;  // 8, 12 or 16
 };
+
+constexpr bool act_two_planes(int bits) { return bits != 8; }
+// X = act_hi_weight * hi + lo for two planes
+constexpr int act_hi_weight(int bits) { return bits == 12 ? 16 : 255; }
+// bytes of one token's row of xq
+constexpr int64_t act_row_bytes(int K, int bits) { return act_two_planes(bits) ? 2 * int64_t{K} : K; }
+// byte offset in xq of block `blk` of token t (its hi plane; the lo plane is kActBlock bytes further)
+constexpr int64_t act_at(int64_t t, int blk, int K, int bits) {
+  return (t * K + int64_t{blk} * kActBlock) * (act_two_planes(bits) ? 2 : 1);
+}
 
 // Where panel outputs go: out (T, ld) float32, panel p's row r lands in column 16 (p - first) + r
 // when that is below `columns`. glu: panels come in (gate, up) pairs and one column holds

@@ -60,25 +60,23 @@ struct ExpertWeights {
 };
 
 // Per-call buffers of the grouped rows, one allocation reused by the calling thread (the CPU stream's):
-//   xs (rows, K) float32 | ys (rows, N) float32 | xq [xlo] (rows, K) int8 | xd, xisum (rows, K / 32)
+//   xs (rows, K) float32 | ys (rows, N) float32 | xq (rows, act_row_bytes) int8 | xd, xisum (rows, K / 32)
 //   | xsum (rows, K / group_size)
 struct Scratch {
   float* xs;
   float* ys;
   QmmActs acts;
   int64_t N;
-  bool wide;
 
-  Scratch(int64_t rows, int K, int64_t n, int group_size, bool wide_acts) : N(n), wide(wide_acts) {
+  Scratch(int64_t rows, int K, int64_t n, int group_size, int act_bits) : N(n) {
     thread_local std::vector<int64_t> buffer;
-    const int64_t blocks = K / kActBlock, planes = wide ? 2 : 1, groups = K / group_size;
-    buffer.resize(static_cast<size_t>(ceil_div(rows * (4 * K + 4 * N + planes * K + blocks * 8 + groups * 4), 8)) + 1);
+    const int64_t blocks = K / kActBlock, row_bytes = act_row_bytes(K, act_bits), groups = K / group_size;
+    buffer.resize(static_cast<size_t>(ceil_div(rows * (4 * K + 4 * N + row_bytes + blocks * 8 + groups * 4), 8)) + 1);
     xs = reinterpret_cast<float*>(buffer.data());
     ys = xs + rows * K;
     auto* bytes = reinterpret_cast<uint8_t*>(ys + rows * N);
-    acts = QmmActs{reinterpret_cast<int8_t*>(bytes), nullptr, nullptr, nullptr, nullptr, rows, K, group_size};
-    if (wide) acts.xlo = acts.xq + rows * K;
-    acts.xd = reinterpret_cast<float*>(bytes + planes * rows * K);
+    acts = QmmActs{reinterpret_cast<int8_t*>(bytes), nullptr, nullptr, nullptr, rows, K, group_size, act_bits};
+    acts.xd = reinterpret_cast<float*>(bytes + rows * row_bytes);
     acts.xisum = reinterpret_cast<int32_t*>(acts.xd + rows * blocks);
     acts.xsum = reinterpret_cast<float*>(acts.xisum + rows * blocks);
   }
@@ -102,7 +100,7 @@ void quantize_gathered(const float* x, const ExpertGroups& g, int64_t per_token,
 // a block of its rows whose activations stay in L2); one thread below kMinParallelBytes of weights.
 void run_experts(const ExpertWeights& w, const ExpertGroups& g, int glu, const Scratch& s) {
   const int64_t out_panels = glu >= 0 ? w.base.panels / 2 : w.base.panels;
-  const int64_t block = std::max<int64_t>(8, kActivationBlockBytes / (int64_t{w.base.K} * (s.wide ? 2 : 1)) / 8 * 8);
+  const int64_t block = std::max<int64_t>(8, kActivationBlockBytes / act_row_bytes(w.base.K, s.acts.bits) / 8 * 8);
   struct Task { int64_t expert, begin, end, t_begin, t_end; };
   std::vector<Task> tasks;
   int64_t touched = 0;  // weight bytes the call streams, once per tile of 8 rows
@@ -160,8 +158,8 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& q, const 
     fail("indices " + shape_str(indices) + " must hold a whole number of rows per token of x " + shape_str(x));
   if (glu != -1 && glu != static_cast<int>(GatedKind::silu) && glu != static_cast<int>(GatedKind::gelu_tanh))
     fail("glu must be -1 (none), 0 (silu) or 1 (gelu_tanh), got " + std::to_string(glu));
-  if (activation_bits != 8 && activation_bits != 16)
-    fail("activation_bits must be 8 or 16, got " + std::to_string(activation_bits));
+  if (activation_bits != 8 && activation_bits != 12 && activation_bits != 16)
+    fail("activation_bits must be 8, 12 or 16, got " + std::to_string(activation_bits));
   if (columns < 1 || ceil_div(columns, kPanelRows) * (glu >= 0 ? 2 : 1) != q.shape(1))
     fail(std::to_string(columns) + " columns do not fit " + std::to_string(q.shape(1)) + " panels per expert");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -187,10 +185,10 @@ void GatherQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::a
                         q.shape(0), q.shape(2), static_cast<int64_t>(sc.itemsize()) * sc.shape(2) * kPanelRows};
   encoder.dispatch([=, op = out.data<float>(), tokens = static_cast<int64_t>(x.size()) / K,
                     rows = static_cast<int64_t>(out.size()) / columns_, N = int64_t{columns_}, glu = glu_,
-                    wide = activation_bits_ == 16] {
+                    act_bits = activation_bits_] {
     if (rows == 0) return;
     const ExpertGroups g = group_rows(idin.data<int32_t>(), rows, w.experts);
-    Scratch scratch(static_cast<int64_t>(g.order.size()), K, N, w.base.group_size, wide);
+    Scratch scratch(static_cast<int64_t>(g.order.size()), K, N, w.base.group_size, act_bits);
     quantize_gathered(xin.data<float>(), g, rows / tokens, scratch);
     run_experts(w, g, glu, scratch);
     scatter_rows(g, scratch.ys, N, rows, op);

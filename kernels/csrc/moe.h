@@ -18,7 +18,7 @@ namespace mx = mlx::core;
 //   columns: the out-features N. glu >= 0 (a GatedKind): each expert's panels are (gate, up) pairs and
 //   y holds act(x Wg^T) * (x Wu^T). Returns (*indices.shape, N) float32.
 // Rows are grouped by expert inside the call (a counting sort), each group's activations quantized once
-// (int8 or int16, activation_bits as quantized_matmul) and run by the qmm micro-kernels over that expert's
+// (int8, int12 or int16, activation_bits as quantized_matmul) and run by the qmm micro-kernels over that expert's
 // panels; tasks are (expert, panel block, token block), spread over the kernel thread pool.
 // std::invalid_argument (Python ValueError) for shapes or dtypes that do not fit.
 mx::array gather_quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales,

@@ -60,8 +60,8 @@ std::vector<mx::array> quantized_matmul(const mx::array& x, const mx::array& q, 
   if (glu != -1 && glu != static_cast<int>(GatedKind::silu) && glu != static_cast<int>(GatedKind::gelu_tanh))
     fail(fn, "glu must be -1 (none), 0 (silu) or 1 (gelu_tanh), got " + std::to_string(glu));
   if (glu >= 0 && columns.size() != 1) fail(fn, "glu takes exactly one output");
-  if (activation_bits != 8 && activation_bits != 16)
-    fail(fn, "activation_bits must be 8 or 16, got " + std::to_string(activation_bits));
+  if (activation_bits != 8 && activation_bits != 12 && activation_bits != 16)
+    fail(fn, "activation_bits must be 8, 12 or 16, got " + std::to_string(activation_bits));
   int64_t panels = 0;
   for (int c : columns) {
     if (c < 1) fail(fn, "every output needs at least one column");
@@ -123,19 +123,18 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   const QmmWeights w{q.data<uint8_t>(), sc.data<void>(), bi.data<void>(), q.shape(0), K, bits_, group_size_,
                      sc.dtype() == mx::float16};
   const int64_t tokens = static_cast<int64_t>(x.size()) / K;
-  encoder.dispatch([w, outs, tokens, wide = activation_bits_ == 16, xin] {
+  encoder.dispatch([w, outs, tokens, act_bits = activation_bits_, xin] {
     if (tokens == 0) return;
     const float* xp = xin.data<float>();
     const auto& kernels = cpu_kernels();
-    // scratch: xq (T, K) int8 | [xlo (T, K) int8] | xd (T, K / 32) | xisum (T, K / 32) | xsum (T, K / group)
+    // scratch: xq (T, act_row_bytes) int8 | xd (T, K / 32) | xisum (T, K / 32) | xsum (T, K / group)
     thread_local std::vector<int64_t> scratch;  // per calling thread (the CPU stream's)
-    const int64_t blocks = w.K / kActBlock, groups = w.K / w.group_size, planes = wide ? 2 : 1;
-    const int64_t bytes = tokens * (planes * w.K + blocks * 8 + groups * 4);
+    const int64_t blocks = w.K / kActBlock, groups = w.K / w.group_size, row_bytes = act_row_bytes(w.K, act_bits);
+    const int64_t bytes = tokens * (row_bytes + blocks * 8 + groups * 4);
     scratch.resize(static_cast<size_t>(ceil_div(bytes, 8)));
     auto* base = reinterpret_cast<uint8_t*>(scratch.data());
-    QmmActs acts{reinterpret_cast<int8_t*>(base), nullptr, nullptr, nullptr, nullptr, tokens, w.K, w.group_size};
-    if (wide) acts.xlo = acts.xq + tokens * w.K;
-    acts.xd = reinterpret_cast<float*>(base + planes * tokens * w.K);
+    QmmActs acts{reinterpret_cast<int8_t*>(base), nullptr, nullptr, nullptr, tokens, w.K, w.group_size, act_bits};
+    acts.xd = reinterpret_cast<float*>(base + tokens * row_bytes);
     acts.xisum = reinterpret_cast<int32_t*>(acts.xd + tokens * blocks);
     acts.xsum = reinterpret_cast<float*>(acts.xisum + tokens * blocks);
 
@@ -149,7 +148,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     // Tasks: up to kPanelsPerTask panels (pairs with glu) of one output x a block of tokens whose
     // activations stay in L2 (every panel of the task reads all of them), token blocks outermost so
     // that a thread's consecutive tasks share activations.
-    const int64_t act_bytes = static_cast<int64_t>(w.K) * planes;
+    const int64_t act_bytes = row_bytes;
     // (a multiple of 16 tokens: the AMX panels' tile, qmm_amx.cpp; those reuse each unpacked weight chunk
     // across the block's token tiles, so they get at least 64 tokens: 1.5x at K = 8192 against 16)
     const int64_t min_block = std::strcmp(kernels.isa, "avx512_amx") == 0 ? 64 : 16;

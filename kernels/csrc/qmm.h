@@ -17,8 +17,9 @@ namespace mx = mlx::core;
 //   ceil(columns[j] / 16) panels. Returns one float32 array (..., columns[j]) per output.
 // glu >= 0 (a GatedKind: 0 silu, 1 gelu_tanh): one output; its panels come in (gate, up) pairs
 //   (2 ceil(columns / 16) panels) and it holds act(x Wg^T) * (x Wu^T).
-// activation_bits 8: x quantized to int8 per 32 values (llama.cpp's Q8); 16: to int16, as two int8
-//   halves (twice the integer work, ~250x less activation error).
+// activation_bits 8: x quantized to int8 per 32 values (llama.cpp's Q8); 12: to int12 (16x finer), as
+//   two int8 planes (one AMX product per block with 4-bit weights); 16: to int16, as two int8 halves
+//   (twice the integer work, ~250x less activation error than int8).
 // std::invalid_argument (Python ValueError) for shapes or dtypes that do not fit.
 std::vector<mx::array> quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales,
                                         const mx::array& biases, int bits, int group_size,

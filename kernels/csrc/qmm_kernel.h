@@ -103,16 +103,18 @@ inline void store_int8(int8_t* p, kernel::v8i q) {
 
 // Rows [t_begin, t_end) of x (T, K), per block of 32 with m = max|x| (QmmActs, kernel_table.h):
 //   int8:  X = round(x * (127 / m)), d = m / 127;  xq = X
-//   int16: X = round(x * (kWideMax / m)), d = m / kWideMax, split X = 255 hi + lo (|hi|, |lo| <= 127),
-//          xq = hi, xlo = lo: sum_k q_k X_k = 255 sum q hi + sum q lo, two int8 dot products
+//   int12: X = round(x * (kMidMax / m)), d = m / kMidMax, split X = 16 hi + lo (hi = X >> 4, lo = X & 15)
+//   int16: X = round(x * (kWideMax / m)), d = m / kWideMax, split X = 255 hi + lo (|hi|, |lo| <= 127)
+//   two planes (int12, int16) go interleaved per block, [hi 32 | lo 32] (act_at): sum_k q_k X_k =
+//   act_hi_weight * sum q hi + sum q lo, two int8 dot products (one AMX tile product for int12, 4 bits)
 // The product is rounded to float32 before the integer rounding, so every instruction set computes
 // the same X. xisum = sum(X); per weight group xsum = sum_b d_b xisum_b, the sum of the quantized x:
 // the bias term then sees the same x as the scale term, so the error is sum_k w_k (x^_k - x_k)
 // rather than sum_k q_k scale (x^_k - x_k), ~3x smaller for 4 bits (llama.cpp's Q8_1 keeps this sum).
+// This is the one place that computes the split.
 inline void quantize(const float* x, const QmmActs& a, int64_t t_begin, int64_t t_end) {
   const int K = a.K, blocks = K / kActBlock, per_group = a.group_size / kActBlock;
-  const bool wide = a.xlo != nullptr;
-  const float top = wide ? static_cast<float>(kWideMax) : 127.0f;
+  const float top = a.bits == 16 ? static_cast<float>(kWideMax) : a.bits == 12 ? static_cast<float>(kMidMax) : 127.0f;
   for (int64_t t = t_begin; t < t_end; ++t) {
     const float* xr = x + t * K;
     float gsum = 0.0f;
@@ -125,16 +127,19 @@ inline void quantize(const float* x, const QmmActs& a, int64_t t_begin, int64_t 
       const float m = kernel::hmax(amax);
       const float d = m / top, id = m > 0.0f ? top / m : 0.0f;
       kernel::v8i isum = {};
+      int8_t* block = a.xq + act_at(t, b, K, a.bits);
       for (int i = 0; i < 4; ++i) {
         const kernel::v8i q = round8(v[i] * id);
-        const int64_t at = t * K + b * kActBlock + i * kW;
         isum += q;
-        if (wide) {
+        if (a.bits == 16) {
           const kernel::v8i hi = round8(__builtin_convertvector(q, v8f) * (1.0f / 255.0f));  // exact: never a tie
-          store_int8(a.xq + at, hi);
-          store_int8(a.xlo + at, q - hi * 255);
+          store_int8(block + i * kW, hi);
+          store_int8(block + kActBlock + i * kW, q - hi * 255);
+        } else if (a.bits == 12) {
+          store_int8(block + i * kW, q >> 4);              // floor(X / 16): -127 .. 127
+          store_int8(block + kActBlock + i * kW, q & 15);  // 0 .. 15
         } else {
-          store_int8(a.xq + at, q);
+          store_int8(block + i * kW, q);
         }
       }
       const int32_t block_sum = isum[0] + isum[1] + isum[2] + isum[3] + isum[4] + isum[5] + isum[6] + isum[7];
@@ -177,23 +182,27 @@ inline __m512 load16v(const void* base, int64_t index) {
   }
 }
 
-// 255 * hi + lo, the integer dot of int16 activations from their two int8 halves.
+// act_hi_weight(ACT) * hi + lo, the integer dot of int12 / int16 activations from their two int8 planes.
+template <int ACT>
 inline __m512i combine(__m512i hi, __m512i lo) {
+  if constexpr (ACT == 12) return _mm512_add_epi32(_mm512_slli_epi32(hi, 4), lo);
   return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), hi), lo);
 }
 
-template <int TT, int BITS, bool F16S, bool WIDE>
+template <int TT, int BITS, bool F16S, int ACT>
 void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   const uint8_t* wq = w.q + p * panel_bytes(w);
+  constexpr bool WIDE = act_two_planes(ACT);
+  constexpr int words = WIDE ? 16 : 8;  // int32 words of xq per block
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const int32_t* xh[TT];  // 4 activation bytes per int32: int8 values, or the high halves of int16 ones
-  const int32_t* xl[TT];  // the low halves (WIDE)
+  const int32_t* xh[TT];  // 4 activation bytes per int32: int8 values, or the hi plane of two-plane ones
+  const int32_t* xl[TT];  // the lo plane (WIDE): 32 bytes after the hi one of each block
   const float* xd[TT];
   const float* xs[TT];
   for (int t = 0; t < TT; ++t) {
-    xh[t] = reinterpret_cast<const int32_t*>(a.xq + (t0 + t) * K);
-    xl[t] = WIDE ? reinterpret_cast<const int32_t*>(a.xlo + (t0 + t) * K) : nullptr;
+    xh[t] = reinterpret_cast<const int32_t*>(a.xq + act_at(t0 + t, 0, K, ACT));
+    xl[t] = WIDE ? xh[t] + kActBlock / 4 : nullptr;
     xd[t] = a.xd + (t0 + t) * blocks;
     xs[t] = a.xsum + (t0 + t) * groups;
   }
@@ -210,8 +219,8 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
       // chunk c of the block: 16 rows x 4 k, times 4 activation bytes of each token
       auto dot = [&](__m512i v, int c) {
         for (int t = 0; t < TT; ++t) {
-          ih[t] = _mm512_dpbusd_epi32(ih[t], v, _mm512_set1_epi32(xh[t][blk * 8 + c]));
-          if constexpr (WIDE) il[t] = _mm512_dpbusd_epi32(il[t], v, _mm512_set1_epi32(xl[t][blk * 8 + c]));
+          ih[t] = _mm512_dpbusd_epi32(ih[t], v, _mm512_set1_epi32(xh[t][blk * words + c]));
+          if constexpr (WIDE) il[t] = _mm512_dpbusd_epi32(il[t], v, _mm512_set1_epi32(xl[t][blk * words + c]));
         }
       };
       if constexpr (BITS == 4) {
@@ -228,7 +237,7 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
         }
       }
       for (int t = 0; t < TT; ++t) {
-        const __m512i ia = WIDE ? combine(ih[t], il[t]) : ih[t];
+        const __m512i ia = WIDE ? combine<ACT>(ih[t], il[t]) : ih[t];
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s, _mm512_set1_ps(xd[t][blk])), acc[t]);
       }
     }
@@ -269,10 +278,11 @@ inline __m256i block_dot(const uint8_t* wq, int half, const int32_t* x32) {
   }
 }
 
-template <int TT, int BITS, bool F16S, bool WIDE>
+template <int TT, int BITS, bool F16S, int ACT>
 void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   const uint8_t* wq = w.q + p * panel_bytes(w);
+  constexpr bool WIDE = act_two_planes(ACT);
   const int block_bytes = kActBlock * R * BITS / 8;
   __m256 acc[TT][2];
   for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -287,13 +297,14 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
       for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
       for (int t = 0; t < TT; ++t) {
         const int64_t row = t0 + t;
-        const int32_t* xh = reinterpret_cast<const int32_t*>(a.xq + row * K) + blk * 8;
+        const int32_t* xh = reinterpret_cast<const int32_t*>(a.xq + act_at(row, blk, K, ACT));
         const __m256 d = _mm256_set1_ps(a.xd[row * blocks + blk]);
         for (int h = 0; h < 2; ++h) {
           __m256i ia = block_dot<BITS>(wq, h, xh);
           if constexpr (WIDE) {
-            const int32_t* xl = reinterpret_cast<const int32_t*>(a.xlo + row * K) + blk * 8;
-            ia = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), block_dot<BITS>(wq, h, xl));
+            const __m256i il = block_dot<BITS>(wq, h, xh + kActBlock / 4);  // the lo plane
+            ia = ACT == 12 ? _mm256_add_epi32(_mm256_slli_epi32(ia, 4), il)
+                           : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), il);
           }
           if constexpr (BITS == 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(128 * a.xisum[row * blocks + blk]));
           const __m256 sd = _mm256_mul_ps(_mm256_load_ps(s16 + 8 * h), d);
@@ -318,11 +329,13 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
 
 #else  // scalar
 
-template <int TT, int BITS, bool F16S, bool WIDE>
+template <int TT, int BITS, bool F16S, int ACT>
 void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   const uint8_t* wq = w.q + p * panel_bytes(w);
   constexpr int chunks = BITS == 4 ? 4 : 8;  // 64-byte chunks per block of 32 k
+  constexpr bool WIDE = act_two_planes(ACT);
+  constexpr int hw = act_hi_weight(ACT);
   float acc[TT][R] = {};
   for (int g = 0; g < groups; ++g) {
     float s[R], m[R];
@@ -333,15 +346,15 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
       int32_t ia[TT][R] = {};
       for (int o = 0; o < chunks; ++o, wq += 64) {
         for (int t = 0; t < TT; ++t) {
-          const int64_t at = (t0 + t) * K + blk * kActBlock + o * (BITS == 4 ? 8 : 4);
+          const int64_t at = act_at(t0 + t, blk, K, ACT) + o * (BITS == 4 ? 8 : 4);
           for (int r = 0; r < R; ++r) {
             int32_t sum = 0;
             for (int j = 0; j < 4; ++j) {
               const int32_t byte = wq[4 * r + j];
-              // the int16 activation 255 hi + lo, or the int8 one
-              const int32_t x0 = WIDE ? 255 * a.xq[at + j] + a.xlo[at + j] : a.xq[at + j];
+              // the two-plane activation hw hi + lo, or the int8 one
+              const int32_t x0 = WIDE ? hw * a.xq[at + j] + a.xq[at + kActBlock + j] : a.xq[at + j];
               if constexpr (BITS == 4) {
-                const int32_t x1 = WIDE ? 255 * a.xq[at + 4 + j] + a.xlo[at + 4 + j] : a.xq[at + 4 + j];
+                const int32_t x1 = WIDE ? hw * a.xq[at + 4 + j] + a.xq[at + kActBlock + 4 + j] : a.xq[at + 4 + j];
                 sum += (byte & 15) * x0 + (byte >> 4) * x1;
               } else {
                 sum += byte * x0;
@@ -369,10 +382,10 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
 
 using TileFn = void (*)(const QmmWeights&, const QmmActs&, int64_t, int64_t, float[][R]);
 
-template <int BITS, bool F16S, bool WIDE, int... TT>
+template <int BITS, bool F16S, int ACT, int... TT>
 constexpr auto make_tiles(std::integer_sequence<int, TT...>) {
   struct Tiles { TileFn fn[sizeof...(TT)]; };
-  return Tiles{{tile<TT + 1, BITS, F16S, WIDE>...}};
+  return Tiles{{tile<TT + 1, BITS, F16S, ACT>...}};
 }
 
 // act(gate) * up of one 16-column tile row (GatedKind kind).
@@ -384,10 +397,10 @@ inline void glu_row(int kind, const float* gate, const float* up, float* out) {
   }
 }
 
-template <int BITS, bool F16S, bool WIDE>
+template <int BITS, bool F16S, int ACT>
 void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
                 int64_t t_begin, int64_t t_end) {
-  static constexpr auto tiles = make_tiles<BITS, F16S, WIDE>(std::make_integer_sequence<int, kMaxTile>{});
+  static constexpr auto tiles = make_tiles<BITS, F16S, ACT>(std::make_integer_sequence<int, kMaxTile>{});
   alignas(64) float acc[kMaxTile][R], up[kMaxTile][R];
   for (int64_t p = p_begin; p < p_end; ++p) {
     const int64_t col0 = (p - o.first_panel) * R;
@@ -406,19 +419,20 @@ void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t 
   }
 }
 
-template <bool WIDE>
+template <int ACT>
 void panels_of(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
                int64_t t_begin, int64_t t_end) {
   if (w.bits == 4) {
-    (w.f16_scales ? run_panels<4, true, WIDE> : run_panels<4, false, WIDE>)(w, a, o, p_begin, p_end, t_begin, t_end);
+    (w.f16_scales ? run_panels<4, true, ACT> : run_panels<4, false, ACT>)(w, a, o, p_begin, p_end, t_begin, t_end);
   } else {
-    (w.f16_scales ? run_panels<8, true, WIDE> : run_panels<8, false, WIDE>)(w, a, o, p_begin, p_end, t_begin, t_end);
+    (w.f16_scales ? run_panels<8, true, ACT> : run_panels<8, false, ACT>)(w, a, o, p_begin, p_end, t_begin, t_end);
   }
 }
 
 inline void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
                    int64_t t_begin, int64_t t_end) {
-  (a.xlo != nullptr ? panels_of<true> : panels_of<false>)(w, a, o, p_begin, p_end, t_begin, t_end);
+  (a.bits == 16 ? panels_of<16> : a.bits == 12 ? panels_of<12> : panels_of<8>)(w, a, o, p_begin, p_end, t_begin,
+                                                                                t_end);
 }
 
 }  // namespace metrale::METRALE_ISA_NS::qmm

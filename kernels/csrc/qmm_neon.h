@@ -97,15 +97,18 @@ METRALE_NEON_INLINE void chunks_dot(std::integer_sequence<int, O...>, const uint
 // The int32 row sums of one block of 32 k (BITS 4: 4 chunks of 64 bytes, 8: 8 chunks) against the 32
 // activations of the block: int8 ones in xh, or (WIDE) int16 ones as xh = hi, xl = lo. The activations
 // stay in 2 (or 4) registers. For 8 bits the sums are of (q - 128) x: the caller adds 128 sum(X).
-template <int BITS, bool WIDE>
+template <int BITS, int ACT>
 METRALE_NEON_INLINE Rows16 block_dot(const uint8_t* wq, const int8_t* xh, const int8_t* xl) {
+  constexpr bool WIDE = act_two_planes(ACT);
   int8x16_t h[2] = {vld1q_s8(xh), vld1q_s8(xh + 16)}, l[2] = {};
   if constexpr (WIDE) l[0] = vld1q_s8(xl), l[1] = vld1q_s8(xl + 16);
   Rows16 hi, lo;
   for (int i = 0; i < 4; ++i) hi.v[i] = lo.v[i] = vdupq_n_s32(0);
   chunks_dot<BITS, WIDE>(std::make_integer_sequence<int, BITS == 4 ? 4 : 8>{}, wq, h, l, hi, lo);
-  if constexpr (WIDE)  // 255 hi + lo: the dot with X
+  if constexpr (ACT == 16)  // 255 hi + lo: the dot with X
     for (int i = 0; i < 4; ++i) hi.v[i] = vaddq_s32(vsubq_s32(vshlq_n_s32(hi.v[i], 8), hi.v[i]), lo.v[i]);
+  if constexpr (ACT == 12)  // 16 hi + lo
+    for (int i = 0; i < 4; ++i) hi.v[i] = vaddq_s32(vshlq_n_s32(hi.v[i], 4), lo.v[i]);
   return hi;
 }
 
@@ -122,7 +125,7 @@ inline void load16q(const void* base, int64_t index, float32x4_t out[4]) {
   }
 }
 
-template <int TT, int BITS, bool F16S, bool WIDE>
+template <int TT, int BITS, bool F16S, int ACT>
 void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   constexpr int block_bytes = kActBlock * R * BITS / 8;
@@ -140,8 +143,8 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
       const int blk = g * per_group + bb;
       for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
       for (int t = 0; t < TT; ++t) {
-        const int64_t row = t0 + t, at = row * K + static_cast<int64_t>(blk) * kActBlock;
-        Rows16 ia = block_dot<BITS, WIDE>(wq, a.xq + at, WIDE ? a.xlo + at : nullptr);
+        const int64_t row = t0 + t, at = act_at(row, blk, K, ACT);
+        Rows16 ia = block_dot<BITS, ACT>(wq, a.xq + at, act_two_planes(ACT) ? a.xq + at + kActBlock : nullptr);
         if constexpr (BITS == 8) {
           const int32x4_t shift = vdupq_n_s32(128 * a.xisum[row * blocks + blk]);
           for (int i = 0; i < 4; ++i) ia.v[i] = vaddq_s32(ia.v[i], shift);

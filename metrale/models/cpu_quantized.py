@@ -96,11 +96,11 @@ def use_cpu_kernels(model: nn.Module) -> int:
 
 
 def set_activation_bits(model: nn.Module, bits: int) -> int:
-    """Make every kernel module of `model` quantize its activations to int`bits` (8 or 16; 0: auto, int8
+    """Make every kernel module of `model` quantize its activations to int`bits` (8, 12 or 16; 0: auto, int8
     for calls of kernels.backend.INT8_MIN_TOKENS token rows or more; the default comes from
     METRALE_QMM_ACTIVATIONS at load). Returns how many modules changed."""
-    if bits not in (0, 8, 16):
-        raise ValueError(f"activation bits must be 8, 16 or 0 (auto), got {bits}")
+    if bits not in (0, 8, 12, 16):
+        raise ValueError(f"activation bits must be 8, 12, 16 or 0 (auto), got {bits}")
     kinds = (QuantizedLinearCPU, QuantizedEmbeddingCPU, QuantizedSwitchGLUCPU)
     modules = [m for m in model.modules() if isinstance(m, kinds)]
     for module in modules:

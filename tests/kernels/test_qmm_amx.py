@@ -27,9 +27,9 @@ def on(isa, fn):
 
 
 @needs_amx
-@pytest.mark.parametrize("k", [2048, 8192])
+@pytest.mark.parametrize("k", [704, 2048, 8192])
 @pytest.mark.parametrize("tokens", [16, 17, 64, 100, 512])
-@pytest.mark.parametrize("bits,gs,activation_bits", [(4, 32, 8), (4, 32, 16), (8, 64, 8)])
+@pytest.mark.parametrize("bits,gs,activation_bits", [(4, 32, 8), (4, 32, 12), (4, 32, 16), (8, 64, 8), (8, 64, 12)])
 def test_prompt_chunks_match_emulation_and_avx512(k, tokens, bits, gs, activation_bits):
     """Whole tiles of 16 tokens on AMX, the rest (17, 100) on the avx512 tile, one partial panel (N = 40)."""
     rng = np.random.default_rng(k + tokens + bits + activation_bits)
@@ -47,7 +47,7 @@ def test_prompt_chunks_match_emulation_and_avx512(k, tokens, bits, gs, activatio
 
 @needs_amx
 @pytest.mark.parametrize("n", [72, 104])
-@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("activation_bits", [8, 12, 16])
 @pytest.mark.parametrize("bits,gs", [(4, 64), (4, 128), (8, 32), (8, 128)])
 def test_chunk_remainders_and_passes_equal_avx512(bits, gs, activation_bits, n):
     """K = 640 is two weight chunks of 8 blocks plus 4; 345 tokens are token blocks of 304 (144 with int16,

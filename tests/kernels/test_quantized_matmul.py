@@ -5,7 +5,8 @@ Tolerances (docs/quantized-kernels.md):
   vs the emulation (same int8 activations, float64 sums): |y - y_emu| <= 1e-6 * sum_k |x_k w_k|
       (float32 accumulation only)
   vs dequantize + matmul: |y - y_ref| <= sum_k |w_k| d_b(k) / 2 (+ the float32 term), d_b = max|x_b| / 127,
-      the rounding of each activation to its int8 grid, for every format; and the RMS of the error
+      the rounding of each activation to its grid (d_b = max|x_b| / TOP[activation bits]), for every
+      format; and the RMS of the error
       below RMS_TOL[format] of the output's RMS on normal random data
 Skipped when the kernels are not built.
 """
@@ -29,7 +30,10 @@ needs_kernel = pytest.mark.skipif(kernel is None or not _ext.has_qmm_kernels(),
                                   reason="kernels not built: python -m kernels.build")
 ISAS = _ext.supported_isas() if kernel is not None else []
 FORMATS = [(bits, gs) for bits in (4, 8) for gs in (32, 64, 128)]
-RMS_TOL = {(bits, gs, 8): 1e-2 for bits, gs in FORMATS} | {(bits, gs, 16): 1e-4 for bits, gs in FORMATS}
+# the largest |X| of each activation precision (kernel_table.h: 127, kMidMax, kWideMax)
+TOP = {8: 127, 12: 2032, 16: 32512}
+RMS_TOL = ({(bits, gs, 8): 1e-2 for bits, gs in FORMATS} | {(bits, gs, 12): 1e-3 for bits, gs in FORMATS}
+           | {(bits, gs, 16): 1e-4 for bits, gs in FORMATS})
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -43,10 +47,10 @@ def random_weight(rng, n, k, bits, gs, spread=1.0):
 
 def emulate(x, q, scales, biases, gs, activation_bits=16):
     """The kernels' arithmetic in float64: x (T, K) float32 quantized per 32 values exactly as they
-    do (xq = rint(float32(x * (top / m))), d = m / top, top 127 or 32512 for int16),
+    do (xq = rint(float32(x * (top / m))), d = m / top, top = TOP[activation_bits]),
     y = sum_g s sum_b d_b q.xq + b sum_b d_b sum xq."""
     t, k = x.shape
-    top = np.float32(127 if activation_bits == 8 else 32512)
+    top = np.float32(TOP[activation_bits])
     xb = x.reshape(t, k // 32, 32)
     m = np.abs(xb).max(-1)  # (T, K / 32) float32
     d = (m / top).astype(np.float64)
@@ -62,7 +66,7 @@ def quantization_bound(x, w, activation_bits=16):
     """sum_k |w_k| d_b(k) / 2 per (t, n): how far quantized activations may move y, plus float32 slack."""
     t, k = x.shape
     m = np.abs(x.reshape(t, k // 32, 32)).max(-1)  # (T, K / 32)
-    half_step = np.repeat(m / (2.0 * (127 if activation_bits == 8 else 32512)), 32, axis=1)  # (T, K)
+    half_step = np.repeat(m / (2.0 * TOP[activation_bits]), 32, axis=1)  # (T, K)
     return half_step @ np.abs(w).T + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6
 
 
@@ -76,7 +80,7 @@ def run(x, packed_triple, bits, gs, columns, glu=-1, activation_bits=16):
 @pytest.mark.parametrize("bits,gs", FORMATS)
 @pytest.mark.parametrize("n,k", [(1, 128), (15, 128), (17, 256), (50, 384), (64, 128)])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 16, 17, 33, 64])
-@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("activation_bits", [8, 12, 16])
 def test_matches_emulation_and_reference(isa, bits, gs, n, k, tokens, activation_bits):
     rng = np.random.default_rng(bits * 1000 + gs + n + k + tokens)
     triple, w, q = random_weight(rng, n, k, bits, gs)
@@ -93,7 +97,7 @@ def test_matches_emulation_and_reference(isa, bits, gs, n, k, tokens, activation
 @needs_kernel
 @pytest.mark.parametrize("bits,gs", [(4, 32), (8, 128)])
 @pytest.mark.parametrize("tokens", [1, 7, 8, 9, 32, 64, 100, 512])
-@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("activation_bits", [8, 12, 16])
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16])
 def test_token_blocks_match_emulation(isa, bits, gs, tokens, activation_bits, scale_dtype):
     """Prompt-chunk and batched-decode sizes at K = 4096: the activations of 512 tokens span several L2
@@ -113,7 +117,7 @@ def test_token_blocks_match_emulation(isa, bits, gs, tokens, activation_bits, sc
 
 @needs_kernel
 @pytest.mark.parametrize("bits,gs", FORMATS)
-@pytest.mark.parametrize("activation_bits", [8, 16])
+@pytest.mark.parametrize("activation_bits", [8, 12, 16])
 def test_rms_error_per_format(isa, bits, gs, activation_bits):
     """The documented per-format tolerance on normal data, K = 768."""
     rng = np.random.default_rng(bits + gs)

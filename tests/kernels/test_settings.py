@@ -22,6 +22,9 @@ def test_without_settings_applied_the_environment_is_read_at_each_decision(monke
     assert current().attention == "reference" and backend.attention_backend() == "reference"
     monkeypatch.setenv("METRALE_QMM_ACTIVATIONS", "int8")
     assert backend.matmul_activation_bits() == 8
+    monkeypatch.setenv("METRALE_QMM_ACTIVATIONS", "INT12")
+    assert backend.matmul_activation_bits() == 12
+    assert [backend.activation_bits_for(12, t) for t in (1, 512)] == [12, 12]  # fixed per policy, not per call
 
 
 def test_applied_settings_win_over_the_environment_and_end_with_the_block(monkeypatch):

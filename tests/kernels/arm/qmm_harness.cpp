@@ -53,10 +53,11 @@ uint16_t random_f16(Rng& rng, float* value) {
 
 struct Case {
   int bits, group_size, tokens;
-  bool f16, wide;
+  bool f16;
+  int act;  // activation bits: 8, 12 or 16
   std::string name() const {
-    return "b" + std::to_string(bits) + (f16 ? "_f16" : "_f32") + "_g" + std::to_string(group_size) +
-           (wide ? "_x16" : "_x8") + "_t" + std::to_string(tokens);
+    return "b" + std::to_string(bits) + (f16 ? "_f16" : "_f32") + "_g" + std::to_string(group_size) + "_x" +
+           std::to_string(act) + "_t" + std::to_string(tokens);
   }
 };
 
@@ -103,12 +104,23 @@ Weights make_weights(const Case& c, Rng& rng) {
 }
 
 struct Acts {
-  std::vector<int8_t> xq, xlo;
+  std::vector<int8_t> xq;
   std::vector<float> xd, xsum;
   std::vector<int32_t> xisum;
   metrale::QmmActs view(const Case& c) {
-    return {xq.data(), c.wide ? xlo.data() : nullptr, xd.data(), xsum.data(), xisum.data(), c.tokens, kK,
-            c.group_size};
+    return {xq.data(), xd.data(), xsum.data(), xisum.data(), c.tokens, kK, c.group_size, c.act};
+  }
+  // X of token t at k, from its plane(s) (kernel_table.h: act_at)
+  int value(const Case& c, int t, int k) const {
+    const int64_t at = metrale::act_at(t, k / kActBlock, kK, c.act) + k % kActBlock;
+    return metrale::act_two_planes(c.act) ? metrale::act_hi_weight(c.act) * xq[at] + xq[at + kActBlock] : xq[at];
+  }
+  // the planes of X (t, k) within their documented ranges
+  bool planes_in_range(const Case& c, int t, int k) const {
+    const int64_t at = metrale::act_at(t, k / kActBlock, kK, c.act) + k % kActBlock;
+    if (c.act == 16) return std::abs(xq[at]) <= 127 && std::abs(xq[at + kActBlock]) <= 127;
+    if (c.act == 12) return std::abs(xq[at]) <= 127 && xq[at + kActBlock] >= 0 && xq[at + kActBlock] <= 15;
+    return true;
   }
 };
 
@@ -132,7 +144,8 @@ void fail(const std::string& where, const std::string& what) {
 // The quantized activations against their definition (kernel_table.h: QmmActs).
 void check_quantize(const std::string& where, const Case& c, const std::vector<float>& x, const Acts& a) {
   const int blocks = kK / kActBlock, per_group = c.group_size / kActBlock;
-  const float top = c.wide ? static_cast<float>(kWideMax) : 127.0f;
+  const float top = c.act == 16 ? static_cast<float>(kWideMax) : c.act == 12 ? static_cast<float>(metrale::kMidMax)
+                                                                             : 127.0f;
   for (int t = 0; t < c.tokens; ++t) {
     double gsum = 0.0, gabs = 0.0;
     for (int b = 0; b < blocks; ++b) {
@@ -144,8 +157,8 @@ void check_quantize(const std::string& where, const Case& c, const std::vector<f
         const int64_t at = t * kK + b * kActBlock + i;
         const float product = x[at] * id;
         const int X = static_cast<int>(std::nearbyint(product));
-        const int got = c.wide ? 255 * a.xq[at] + a.xlo[at] : a.xq[at];
-        if (got != X || (c.wide && (std::abs(a.xq[at]) > 127 || std::abs(a.xlo[at]) > 127))) {
+        const int got = a.value(c, t, b * kActBlock + i);
+        if (got != X || !a.planes_in_range(c, t, b * kActBlock + i)) {
           fail(where, "quantized x[" + std::to_string(t) + "][" + std::to_string(b * kActBlock + i) + "] " +
                           std::to_string(got) + ", expected " + std::to_string(X));
           return;
@@ -181,10 +194,8 @@ std::vector<float> reference(const Case& c, const Weights& w, const Acts& a, std
         for (int bb = 0; bb < per_group; ++bb) {
           const int blk = g * per_group + bb;
           int64_t ia = 0;
-          for (int i = 0; i < kActBlock; ++i) {
-            const int64_t at = t * kK + blk * kActBlock + i;
-            ia += static_cast<int64_t>(w.q[n * kK + blk * kActBlock + i]) * (c.wide ? 255 * a.xq[at] + a.xlo[at] : a.xq[at]);
-          }
+          for (int i = 0; i < kActBlock; ++i)
+            ia += static_cast<int64_t>(w.q[n * kK + blk * kActBlock + i]) * a.value(c, t, blk * kActBlock + i);
           const float sd = s * a.xd[t * blocks + blk];
           acc = std::fma(static_cast<float>(ia), sd, acc);
           mag += std::fabs(static_cast<double>(ia) * sd);
@@ -241,7 +252,7 @@ void run_case(const std::string& isa, const Case& c, int index) {
   const Weights w = make_weights(c, rng);
   const std::vector<float> x = make_x(c, rng);
   const int blocks = kK / kActBlock;
-  Acts a{std::vector<int8_t>(c.tokens * kK), std::vector<int8_t>(c.wide ? c.tokens * kK : 0),
+  Acts a{std::vector<int8_t>(c.tokens * metrale::act_row_bytes(kK, c.act)),
          std::vector<float>(c.tokens * blocks), std::vector<float>(c.tokens * (kK / c.group_size)),
          std::vector<int32_t>(c.tokens * blocks)};
   const metrale::QmmActs acts = a.view(c);
@@ -276,7 +287,6 @@ void run_case(const std::string& isa, const Case& c, int index) {
 
   uint64_t h = 0xcbf29ce484222325ull;
   h = fnv1a(h, a.xq.data(), a.xq.size());
-  h = fnv1a(h, a.xlo.data(), a.xlo.size());
   h = fnv1a(h, a.xd.data(), a.xd.size() * sizeof(float));
   h = fnv1a(h, a.xsum.data(), a.xsum.size() * sizeof(float));
   h = fnv1a(h, a.xisum.data(), a.xisum.size() * sizeof(int32_t));
@@ -300,9 +310,9 @@ int main(int argc, char** argv) {
     int index = 0;
     for (int bits : {4, 8})
       for (bool f16 : {true, false})
-        for (bool wide : {false, true})
+        for (int act : {8, 12, 16})
           for (int group : {32, 64, 128})
-            for (int tokens : {1, 2, 4, 5, 9}) run_case(isa, Case{bits, group, tokens, f16, wide}, index++);
+            for (int tokens : {1, 2, 4, 5, 9}) run_case(isa, Case{bits, group, tokens, f16, act}, index++);
   }
   std::printf("failures %d\n", failures);
   return failures == 0 ? 0 : 1;
