@@ -83,11 +83,11 @@ def matmul_activation_bits(settings: KernelSettings | None = None) -> int:
     """16, 12, 8, or 0 (auto: per call, activation_bits_for): how finely the quantized matmul kernels round
     activations (per 32 values).
 
-    int8 is llama.cpp's Q8 (the fastest); int16 (the default) runs two int8 passes and keeps the model's
-    logits within float32 noise of the dequantized model's; int12 (16x finer than int8) is two int8 planes
-    too, but one AMX tile product per block with 4-bit weights. auto takes int8 for calls of INT8_MIN_TOKENS
-    rows or more (prompt chunks); it is not the default: on the default model int8 prompts flip greedy
-    tokens and change answers, and the choice depends on the batch (docs/quantized-kernels.md)."""
+    int8 is llama.cpp's Q8 (the fastest); int12 (the default, 16x finer than int8) is two int8 planes, but
+    one AMX tile product per block with 4-bit weights (1.2-1.3x int16 there); int16 runs two int8 passes and
+    keeps the model's logits within float32 noise of the dequantized model's. auto takes int8 for calls of
+    INT8_MIN_TOKENS rows or more (prompt chunks); it is not the default: on the default model int8 prompts
+    flip greedy tokens and change answers, and the choice depends on the batch (docs/quantized-kernels.md)."""
     return (settings or current()).activation_bits
 
 

@@ -32,7 +32,7 @@ class KernelSettings:
     attention: str = "auto"  # METRALE_ATTENTION: paged attention (decode rows, prefill softmax, K/V writes)
     activations: str = "auto"  # METRALE_KERNELS: gated activations, fused RMSNorm and RoPE
     matmul: str = "auto"  # METRALE_MATMUL: quantized linear layers kept quantized (CPU kernels)
-    qmm_activations: str = "int16"  # METRALE_QMM_ACTIVATIONS: auto | int16 | int12 | int8 activations of those kernels
+    qmm_activations: str = "int12"  # METRALE_QMM_ACTIVATIONS: auto | int16 | int12 | int8 activations of those kernels
     # process-wide, applied once (kernels/ext.py when the extension loads, kernels/runtime.py before mlx):
     cpu_isa: str = "auto"  # METRALE_CPU_ISA: the kernels' instruction set (the extension checks the name)
     openblas: str | None = None  # METRALE_OPENBLAS: the library's path, "none", or None to search
@@ -66,7 +66,7 @@ class KernelSettings:
             return (env.get(variable) or default).lower()
 
         return cls(attention=text("METRALE_ATTENTION", "auto"), activations=text("METRALE_KERNELS", "auto"),
-                   matmul=text("METRALE_MATMUL", "auto"), qmm_activations=text("METRALE_QMM_ACTIVATIONS", "int16"),
+                   matmul=text("METRALE_MATMUL", "auto"), qmm_activations=text("METRALE_QMM_ACTIVATIONS", "int12"),
                    cpu_isa=text("METRALE_CPU_ISA", "auto"), openblas=openblas_choice(env),
                    attention_threads=environ_number(env, "METRALE_ATTENTION_THREADS"),
                    spin_us=environ_number(env, "METRALE_SPIN_US"))

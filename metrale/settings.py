@@ -39,9 +39,10 @@ ENVIRONMENT = (
              "(SwiGLU, GeGLU), fused RMSNorm and RoPE"),
     Variable("METRALE_MATMUL", "kernels.matmul", "auto", "auto, kernel or reference: quantized linear layers "
              "through the CPU kernels (reference: MLX's quantized_matmul; on CPU the loader then dequantizes)"),
-    Variable("METRALE_QMM_ACTIVATIONS", "kernels.qmm_activations", "int16", "int16, int12, int8, or auto (int8 "
+    Variable("METRALE_QMM_ACTIVATIONS", "kernels.qmm_activations", "int12", "int12, int16, int8, or auto (int8 "
              "for calls of 16+ token rows: prompt chunks): activation precision of the quantized matmul kernels "
-             "(int12: 1.1-1.2x int16 on AMX, 16x finer than int8; int8 is faster and flips some greedy tokens; "
+             "(int12: 1.2-1.3x int16 on AMX, 16x finer than int8; int16: 16x finer than int12; int8 is faster and "
+             "flips some greedy tokens; "
              "auto also makes outputs depend on batching)"),
     Variable("METRALE_CPU_ISA", "kernels.cpu_isa", "auto", "auto, scalar, avx2, avx512 or avx512_amx "
              "(x86-64), neon or neon_dotprod (arm64) (AMX int8 tiles for prompt chunks; avx512 turns "

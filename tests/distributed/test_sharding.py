@@ -100,7 +100,9 @@ def test_the_sharded_forward_equals_the_unsharded_one(arch, tmp_path):
         dtype = "float32" if arch.endswith("float32") else "auto"
     else:
         model = str(arch_folder(tmp_path, arch))
-    result = run_driver("forward", model, dtype)
+    # int16 activations: a rank's partial sums differ from the whole row's in float rounding only, and the
+    # bound is that; int12's coarser grid turns such a difference at a rounding edge into ~1e-3 of a logit
+    result = run_driver("forward", model, dtype, env={"METRALE_QMM_ACTIVATIONS": "int16"})
     if arch == "llama-q4-kernels":
         assert result["quantization"].startswith("quantized weights")
     assert result["kv_heads_per_rank"] == 1

@@ -38,7 +38,7 @@ def test_applied_settings_win_over_the_environment_and_end_with_the_block(monkey
 
 def test_auto_activations_choose_int8_for_prompt_chunks_only(monkeypatch):
     monkeypatch.delenv("METRALE_QMM_ACTIVATIONS", raising=False)
-    assert backend.matmul_activation_bits() == 16  # the default (auto costs quality: docs/quantized-kernels.md)
+    assert backend.matmul_activation_bits() == 12  # the default (auto costs quality: docs/quantized-kernels.md)
     monkeypatch.setenv("METRALE_QMM_ACTIVATIONS", "auto")
     assert backend.matmul_activation_bits() == 0
     low = backend.INT8_MIN_TOKENS - 1

@@ -24,7 +24,7 @@ ENV_READ = re.compile(r"""(?:environ(?:\.get)?\s*[\(\[]|getenv\s*\()\s*["'](METR
 def test_defaults_without_any_variable():
     settings = RuntimeSettings.resolve(EngineConfig(), environ={})
     assert settings == RuntimeSettings()
-    assert settings.kernels == KernelSettings() and settings.kernels.activation_bits == 16
+    assert settings.kernels == KernelSettings() and settings.kernels.activation_bits == 12
 
 
 def test_config_and_flags_win_over_the_environment():
