@@ -79,16 +79,21 @@ inline v8f mass8(v8f x, float m, float scale, float floor) {
   return y >= floor ? q : v8f{};
 }
 
+// 8 values from p, lanes n.. as -inf logits (no mass, never a maximum): the tail of a row.
+inline v8f load8_padded(const float* p, int n) {
+  v8f v;
+  if (n >= kW) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int j = 0; j < kW; ++j) v[j] = j < n ? p[j] : -__builtin_inff();
+  }
+  return v;
+}
+
 // Masses of x[begin, begin + n), n <= kSampleBlock, into q (the tail padded with -inf logits: no mass).
 inline void block_masses(const float* x, int64_t begin, int n, float m, float scale, float floor, float* q) {
   for (int i = 0; i < n; i += kW) {
-    v8f v;
-    if (i + kW <= n) {
-      std::memcpy(&v, x + begin + i, sizeof(v));
-    } else {
-      for (int j = 0; j < kW; ++j) v[j] = i + j < n ? x[begin + i + j] : -__builtin_inff();
-    }
-    const v8f mass = mass8(v, m, scale, floor);
+    const v8f mass = mass8(load8_padded(x + begin + i, n - i), m, scale, floor);
     std::memcpy(q + i, &mass, sizeof(mass));
   }
 }
@@ -155,14 +160,7 @@ inline double candidate_masses(const float* x, int64_t V, float m, float scale, 
     for (int64_t i = 0; i < V;) {
       v8f acc = {};
       for (const int64_t end = min_of(V, i + 512); i < end; i += kW) {
-        const int n = static_cast<int>(min_of<int64_t>(kW, V - i));
-        v8f v;
-        if (n == kW) {
-          std::memcpy(&v, x + i, sizeof(v));
-        } else {
-          for (int j = 0; j < kW; ++j) v[j] = j < n ? x[i + j] : -__builtin_inff();
-        }
-        const v8f yv = (v - m) * scale;
+        const v8f yv = (load8_padded(x + i, static_cast<int>(min_of<int64_t>(kW, V - i))) - m) * scale;
         acc += yv >= floor ? exp8(yv * 0.693147180559945f) : v8f{};
       }
       total += hsum(acc);
@@ -172,13 +170,7 @@ inline double candidate_masses(const float* x, int64_t V, float m, float scale, 
   double hist[4][kSelectBuckets] = {};
   for (int64_t i = 0; i < V; i += kW) {
     const int n = static_cast<int>(min_of<int64_t>(kW, V - i));
-    v8f v;
-    if (n == kW) {
-      std::memcpy(&v, x + i, sizeof(v));
-    } else {
-      for (int j = 0; j < kW; ++j) v[j] = j < n ? x[i + j] : -__builtin_inff();
-    }
-    const v8f yv = (v - m) * scale;
+    const v8f yv = (load8_padded(x + i, n) - m) * scale;
     const v8i above = yv >= floor;
     const v8f qv = above ? exp8(yv * 0.693147180559945f) : v8f{};
     v8f scaled = (v8f{} - yv) * inv;
