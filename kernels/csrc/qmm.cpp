@@ -193,6 +193,11 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
 namespace {
 
 constexpr int64_t kHugePage = int64_t{2} << 20;
+#if defined(MADV_COLLAPSE)
+constexpr int kMadvCollapse = MADV_COLLAPSE;
+#else
+constexpr int kMadvCollapse = 25;  // Linux 6.1's value; older kernels answer EINVAL
+#endif
 
 // "always" or "madvise" in /sys/kernel/mm/transparent_hugepage/enabled (the bracketed choice).
 bool transparent_huge_pages_allowed() {
@@ -206,15 +211,19 @@ bool transparent_huge_pages_allowed() {
 
 mx::array huge_page_copy(const mx::array& a) {
   auto s = cpu_stream();
-  mx::array src = a.flags().row_contiguous ? a : mx::contiguous(a, false, s);
-  mx::eval({src});
+  mx::array src = a;
+  mx::eval({src});  // (an array's flags are only known once it is evaluated)
+  if (!src.flags().row_contiguous) {
+    src = mx::contiguous(src, false, s);
+    mx::eval({src});
+  }
   const int64_t n = static_cast<int64_t>(src.nbytes());
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   static const bool allowed = transparent_huge_pages_allowed();
   const int64_t total = n + kHugePage;  // room to start at a 2 MiB boundary
   if (!allowed || n < kHugePage || total > std::numeric_limits<int32_t>::max() || n % src.itemsize() != 0) return src;
-  // MLX's allocator (malloc: mmap for sizes like these) does not touch the pages past its header, so the
-  // advice is in place before the first write faults them in
+  // fresh memory from MLX's allocator (malloc) is untouched past its header: the advice is in place
+  // before the first write faults the pages in
   mx::array buffer(mx::allocator::malloc(static_cast<size_t>(total)), mx::Shape{static_cast<int32_t>(total)},
                    mx::uint8);
   auto* base = buffer.data<uint8_t>();
@@ -223,6 +232,10 @@ mx::array huge_page_copy(const mx::array& a) {
   // whole 2 MiB pages of the copy only: advising its tail would fault in a whole huge page past its end
   if (madvise(base + offset, static_cast<size_t>(n / kHugePage * kHugePage), MADV_HUGEPAGE) != 0) return src;
   std::memcpy(base + offset, src.data<uint8_t>(), static_cast<size_t>(n));
+  // malloc may hand back memory freed earlier (glibc raises its mmap threshold as big blocks are freed),
+  // whose pages were faulted in before the advice: collapse those into huge pages now (Linux >= 6.1;
+  // best effort like the advice itself: where it fails the pages stay small, the values are the same)
+  madvise(base + offset, static_cast<size_t>(n / kHugePage * kHugePage), kMadvCollapse);
   mx::array out = mx::slice(buffer, {static_cast<int32_t>(offset)}, {static_cast<int32_t>(offset + n)}, s);
   out = mx::reshape(mx::view(out, src.dtype(), s), src.shape(), s);  // both share the buffer (no copy)
   mx::eval({out});
