@@ -56,8 +56,9 @@ mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
 // A call of up to kDecodeTokens token rows streams its weights once (bandwidth-bound): its tasks are
 // 16 panels (256 KiB of 4-bit weights at K = 2048) so that each thread reads long contiguous runs. With
 // the weights on huge pages (ext.huge_page_copy), a decode-shaped harness (16 layers of 1B matrices,
-// 2 threads) read 27.5-28.3 GB/s with 4-panel tasks and 31.3-32.1 with 16 (the read probe: 30-32);
-// on 4 KiB pages both ~25 (docs/quantized-kernels.md, "Decode at the read bandwidth").
+// 2 threads) read 27.5-28.3 GB/s with 4-panel tasks and 30.6-32.6 with 16 (the read probe: 30-32);
+// on 4 KiB pages both ~25. Through MLX (step_profile.py, 1B, huge pages, alternated): a step 34.7-35.1 ms
+// with 4, 31.7-32.6 with 16; 32 and 64 no better (docs/quantized-kernels.md, "Decode at the read bandwidth").
 constexpr int64_t kDecodeTokens = 8;
 constexpr int64_t kDecodePanelsPerTask = 16;
 
