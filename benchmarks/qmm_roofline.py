@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py                      # 1B shapes, T = 1 8 32 128 512
     PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py --shape 3b --tokens 1 8 32
     PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py --tokens 1 --threads 1 --clock cpu
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py --tokens 1 --pages ab --rounds 4
 
 Roofs (benchmarks/roofline_probe.c, compiled here with the system C compiler and run with the same thread
 count): the int8 dot-product peak (a tight loop of independent vpdpbusd, or AVX2's maddubs + maddwd +
@@ -21,7 +22,9 @@ Each matrix is held in enough copies to fill --model-mib (a 1B model's weights a
 call takes the next copy, so the weights come from memory as a decode step's do, not from the caches.
 At T <= 8 one timed evaluation runs every copy back to back in one graph, as a decode step runs its
 layers (the kernel threads stay awake between calls; Python's per-call overhead is not timed), and
-its time is divided by the copies.
+its time is divided by the copies. The weights sit on huge pages as the loader puts them (--pages huge,
+ext.huge_page_copy); --pages ab holds a second set on MLX's own 4 KiB pages and alternates the two
+per round (--rounds), so both see the same minutes of a shared machine.
 Prints one table; --out writes the rows and the roofs as JSON.
 """
 
@@ -32,6 +35,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,15 +70,34 @@ def roofs(isa: str, threads: int, buffer_mib: int) -> dict:
     return json.loads(out.stdout)
 
 
-def random_packed(n: int, k: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+def random_packed(n: int, k: int, seed: int, huge_pages: bool) -> tuple[mx.array, mx.array, mx.array]:
     """A (N, K) 4-bit group-32 weight already in the kernels' layout: q (N/16, 16 K / 2) uint8, scales and
-    biases (N/16, K/32, 16) float16 (random bytes are a valid packing of random nibbles)."""
+    biases (N/16, K/32, 16) float16 (random bytes are a valid packing of random nibbles); huge_pages: moved
+    to huge pages as the loader does (QuantizedLinearCPU, ext.huge_page_copy)."""
     key = mx.random.key(seed)
     q = mx.random.randint(0, 256, (n // 16, 8 * k), dtype=mx.int32, key=key).astype(mx.uint8)
     scales = (mx.random.uniform(0.001, 0.01, (n // 16, k // 32, 16), key=key)).astype(mx.float16)
     biases = (-8 * scales).astype(mx.float16)
     mx.eval(q, scales, biases)
+    if huge_pages:
+        return tuple(ext.huge_page_copy(a) for a in (q, scales, biases))
     return q, scales, biases
+
+
+def time_matrix(copies: list, x: mx.array, n: int, t: int, args, clock) -> tuple[float, float]:
+    """(median, fastest) seconds of one call of x (T, K) by the (N, K) matrix, each call on the next copy."""
+    turn = iter(range(1 << 30))
+    per_eval = len(copies) if t <= 8 else 1
+
+    def call():
+        outs = []
+        for _ in range(per_eval):
+            q, s, b = copies[next(turn) % len(copies)]
+            outs += ext.quantized_matmul(x, q, s, b, bits=4, group_size=32, columns=[n],
+                                         activation_bits=args.activations)
+        mx.eval(outs)
+
+    return tuple(v * 1e-3 / per_eval for v in timed(call, args.repeat, clock))  # ms -> s
 
 
 def main() -> None:
@@ -82,7 +105,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="Llama-3.2-1B or -3B matrices")
     parser.add_argument("--isa", default=None, help="kernel set (scalar, avx2, avx512; default: the best one)")
-    parser.add_argument("--activations", type=int, choices=(8, 16), default=16)
+    parser.add_argument("--activations", type=int, choices=(8, 12, 16), default=16)
+    parser.add_argument("--pages", choices=("huge", "mlx", "ab"), default="huge",
+                        help="the weights on huge pages as the loader puts them (ext.huge_page_copy), on MLX's "
+                             "own allocation (4 KiB pages), or both, alternated per round")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of --repeat calls per matrix (and variant)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (METRALE_ATTENTION_THREADS)")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--clock", choices=sorted(CLOCK), default="wall")
@@ -106,34 +133,35 @@ def main() -> None:
               f"({roof['read_gbs_wall']:.1f} wall), {args.buffer_mib} MiB buffer")
     clock = CLOCK[args.clock]
     rows = []
-    weights = {}
     shapes = SHAPES[args.shape]
-    for i, (name, (n, k)) in enumerate(shapes.items()):
-        copies = max(1, -(-args.model_mib * 2**20 // (n * k * 9 // 16)))  # 4.5 bits per weight
-        weights[name] = [random_packed(n, k, 1000 * i + c) for c in range(copies)]
+    variants = ["huge", "mlx"] if args.pages == "ab" else [args.pages]
+    weights = {v: {} for v in variants}
+    for v in variants:
+        for i, (name, (n, k)) in enumerate(shapes.items()):
+            copies = max(1, -(-args.model_mib * 2**20 // (n * k * 9 // 16)))  # 4.5 bits per weight
+            weights[v][name] = [random_packed(n, k, 1000 * i + c, v == "huge") for c in range(copies)]
+    huge = ext.anon_huge_page_bytes()
     print(f"kernels {isa}, int{args.activations} activations, {threads} threads, {args.clock} clock, "
-          f"median of {args.repeat}")
-    print(f"{'matrix':>20} {'T':>5} {'ms':>9} {'GFLOP/s':>8} {'GB/s':>7} {'best':>7}")
+          f"median of {args.repeat} x {args.rounds} rounds; weights on {' / '.join(variants)} pages (huge: "
+          f"ext.huge_page_copy, mlx: MLX's allocation), process on huge pages: {huge / 2**20:.0f} MiB")
+    print(f"{'matrix':>20} {'pages':>5} {'T':>5} {'ms':>9} {'GFLOP/s':>8} {'GB/s':>7} {'best':>7}")
     for t in args.tokens:
         for name, (n, k) in shapes.items():
             x = mx.random.normal((t, k))
             mx.eval(x)
-            turn = iter(range(1 << 30))
-            per_eval = len(weights[name]) if t <= 8 else 1
-            def call():
-                outs = []
-                for _ in range(per_eval):
-                    q, s, b = weights[name][next(turn) % len(weights[name])]
-                    outs += ext.quantized_matmul(x, q, s, b, bits=4, group_size=32, columns=[n],
-                                                 activation_bits=args.activations)
-                mx.eval(outs)
-            sec, fastest = (v * 1e-3 / per_eval for v in timed(call, args.repeat, clock))  # ms -> s
-            nbytes = sum(a.nbytes for a in weights[name][0])
-            row = {"matrix": name, "tokens": t, "ms": sec * 1e3, "gflops": 2 * n * k * t / sec * 1e-9,
-                   "gbs": nbytes / sec * 1e-9, "gbs_best": nbytes / fastest * 1e-9}
-            rows.append(row)
-            print(f"{name:>20} {t:5d} {row['ms']:9.3f} {row['gflops']:8.1f} {row['gbs']:7.2f} {row['gbs_best']:7.2f}",
-                  flush=True)
+            times = {v: [] for v in variants}
+            for _ in range(args.rounds):  # the variants alternate: the same minutes of a shared machine
+                for v in variants:
+                    times[v].append(time_matrix(weights[v][name], x, n, t, args, clock))
+            for v in variants:
+                sec = statistics.median(m for m, _ in times[v])
+                fastest = min(f for _, f in times[v])
+                nbytes = sum(a.nbytes for a in weights[v][name][0])
+                row = {"matrix": name, "pages": v, "tokens": t, "ms": sec * 1e3, "gflops": 2 * n * k * t / sec * 1e-9,
+                       "gbs": nbytes / sec * 1e-9, "gbs_best": nbytes / fastest * 1e-9}
+                rows.append(row)
+                print(f"{name:>20} {v:>5} {t:5d} {row['ms']:9.3f} {row['gflops']:8.1f} {row['gbs']:7.2f} "
+                      f"{row['gbs_best']:7.2f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": platform.platform(), "args": vars(args), "roofs": roof,
                                               "rows": rows}, indent=2))

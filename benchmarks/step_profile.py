@@ -23,6 +23,8 @@ Times, for the default model (or --model), `--batch` decodes of `--context` toke
                  gather of the sampled rows), argmax (the sampler's, on (batch, vocab) float32)
   other_ms       step_ms - matmul_ms - attention_ms - sum(ops_ms): what no part above explains
                  (MLX's scheduling between nodes, the cache misses a node meets in the real graph)
+  weight_gbs_*   the packed weight bytes (weight_mib) over step_ms and over matmul_ms: the decode's read rate
+  --pages mlx    the packed weights left on MLX's 4 KiB pages (default: huge pages, as the loader does)
   --ab           instead: step_ms with this branch's decode fusions on / off, alternated (best, median)
 """
 
@@ -159,6 +161,12 @@ def op_costs(runner: ModelRunner, batch: int, context: int, repeats: int) -> dic
     return {name: round(best_of(fn, repeats) * 1e3, 2) for name, fn in timed.items()}
 
 
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of the packed weights one step's matmuls stream (q + scales + biases, the lm_head included)."""
+    return sum(a.nbytes for _, m in runner.model.named_modules()
+               if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU)) for a in (m.q, m.scales, m.biases))
+
+
 def matmul_bound(runner: ModelRunner, batch: int, repeats: int) -> float:
     """Every weight matmul of one forward (all layers + lm_head) on `batch` token rows."""
     modules = [m for _, m in runner.model.named_modules() if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU))]
@@ -225,9 +233,14 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (auto, float32, float16, "
                         "bfloat16, int8)")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool size: batch x context must fit")
+    parser.add_argument("--pages", choices=("huge", "mlx"), default="huge",
+                        help="the packed weights on huge pages as the loader puts them, or left on MLX's own "
+                             "4 KiB pages (for an A/B of ext.huge_page_copy: run both, alternated)")
     parser.add_argument("--ab", action="store_true",
                         help="only step_ms with the decode fusions on and off, alternated (set_decode_fusions)")
     args = parser.parse_args()
+    if args.pages == "mlx":  # the loader's modules call ext.huge_page_copy on their packed weights
+        ext.huge_page_copy = lambda a: a
     model = {"model": args.model} if args.model else {}
     runner = ModelRunner.load(EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, dtype=args.dtype,
                                            kv_cache_dtype=args.kv_cache_dtype, **model))
@@ -251,7 +264,11 @@ def main() -> None:
               "matmul_ms": round(bound * 1e3, 2), "attention_ms": round(attn * 1e3, 2),
               "ops_ms": ops, "other_ms": round((full - bound - attn) * 1e3 - sum(ops.values()), 2),
               "graph_nodes": nodes, "node_kinds": kinds,
-              "matmul_share": round(bound / full, 3), "attention_share": round(attn / full, 3)}
+              "matmul_share": round(bound / full, 3), "attention_share": round(attn / full, 3),
+              "pages": args.pages, "huge_page_mib": ext.anon_huge_page_bytes() >> 20,
+              "weight_mib": round(weight_bytes(runner) / 2**20, 1),
+              "weight_gbs_step": round(weight_bytes(runner) / full * 1e-9, 2),
+              "weight_gbs_matmul": round(weight_bytes(runner) / bound * 1e-9, 2)}
     print(json.dumps(result, indent=2))
 
 

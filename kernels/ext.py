@@ -205,3 +205,23 @@ def quantized_rows(q, scales, biases, ids, *, bits, group_size, rows):
     """Rows `ids` of a packed weight of `rows` rows, dequantized: (*ids.shape, K) float32. Needs load()."""
     return _module().quantized_rows(q, scales, biases, ids, bits=int(bits), group_size=int(group_size),
                                     rows=int(rows))
+
+
+def huge_page_copy(a):
+    """`a` copied into memory advised for 2 MiB transparent huge pages (kernels/csrc/qmm.cpp), for the
+    buffers a decode step streams whole (packed weights): on 4 KiB pages each page of the stream costs a
+    TLB miss. `a` itself where THP is off, `a` is under 2 MiB, or the extension is not built (or is an
+    older build without the binding)."""
+    module = load()
+    if module is None or not hasattr(module, "huge_page_copy"):
+        return a
+    return module.huge_page_copy(a)
+
+
+def anon_huge_page_bytes() -> int:
+    """This process's bytes on transparent huge pages (AnonHugePages of /proc/self/smaps_rollup), -1
+    where unknown (not Linux, or the extension lacks the binding)."""
+    module = load()
+    if module is None or not hasattr(module, "anon_huge_page_bytes"):
+        return -1
+    return int(module.anon_huge_page_bytes())

@@ -182,7 +182,8 @@ class QuantizedLinearCPU(nn.Module):
                  columns: Sequence[int], glu: str | None = None,
                  bias: Sequence[mx.array | None] | None = None, activation_bits: int | None = None) -> None:
         super().__init__()
-        self.q, self.scales, self.biases = q, scales, biases  # packed (see module docstring)
+        # packed (see module docstring), on huge pages where the OS allows: a one-token step streams them whole
+        self.q, self.scales, self.biases = (ext.huge_page_copy(a) for a in (q, scales, biases))
         self.bits, self.group_size = bits, group_size
         self.activation_bits = matmul_activation_bits() if activation_bits is None else activation_bits
         self.columns = tuple(int(c) for c in columns)
@@ -247,8 +248,8 @@ class QuantizedEmbeddingCPU(nn.Module):
         self.activation_bits = matmul_activation_bits() if activation_bits is None else activation_bits
         self.blas_rows = blas_crossover()
         self.num_embeddings = embedding.weight.shape[0]
-        self.q, self.scales, self.biases = pack(embedding.weight, embedding.scales, embedding.biases,
-                                                self.bits, self.group_size)
+        packed = pack(embedding.weight, embedding.scales, embedding.biases, self.bits, self.group_size)
+        self.q, self.scales, self.biases = (ext.huge_page_copy(a) for a in packed)  # as QuantizedLinearCPU
         self.dims = self.scales.shape[1] * self.group_size
         self.freeze()
 

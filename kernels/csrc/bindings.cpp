@@ -73,6 +73,11 @@ NB_MODULE(_kernels, m) {
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");
+  m.def("huge_page_copy", &metrale::huge_page_copy, "a"_a,
+        "`a` copied into memory advised for 2 MiB transparent huge pages (MADV_HUGEPAGE), starting at a\n"
+        "2 MiB boundary; `a` itself where THP is off, on other OSes, or under 2 MiB.");
+  m.def("anon_huge_page_bytes", &metrale::anon_huge_page_bytes,
+        "This process's bytes on transparent huge pages (AnonHugePages, /proc/self/smaps_rollup); -1 unknown.");
   m.def("gather_quantized_matmul", &metrale::gather_quantized_matmul, "x"_a, "q"_a, "scales"_a, "biases"_a,
         "indices"_a, nb::kw_only(), "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16,
         "Mixture-of-experts matmul (kernels/moe.py): row r of indices (R = T * top_k rows) multiplies\n"

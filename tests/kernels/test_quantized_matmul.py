@@ -178,6 +178,33 @@ def test_many_tokens_and_rows_use_threads(isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize("glu", [-1, 0])
+def test_decode_split_covers_every_panel_once(isa, glu):
+    """One token (16-panel tasks over the threads) against row 0 of a 9-token call (4-panel tasks): the
+    same tile arithmetic per token, so bit-identical, on odd widths whose panels do not fill the tasks
+    (38 + 4 + 17 panels; glu: 19 gate/up pairs and a partial one), big enough to use the threads."""
+    rng = np.random.default_rng(31 + glu)
+    k = 2048
+    widths = [16 * 19 + 3] if glu >= 0 else [16 * 37 + 5, 16 * 3 + 1, 16 * 17]
+    parts = [random_weight(rng, n, k, 4, 32) for n in (widths * 2 if glu >= 0 else widths)]
+    packed = [qmm.pack(*p[0], 4, 32) for p in parts]
+    if glu >= 0:  # gate/up panels interleaved, as the loader packs them
+        triple = tuple(mx.stack([a, b], axis=1).reshape(-1, *a.shape[1:]) for a, b in zip(*packed))
+    else:
+        triple = tuple(mx.concatenate([p[i] for p in packed]) for i in range(3))
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    one = run(x[:1], triple, 4, 32, widths, glu=glu)
+    nine = run(x, triple, 4, 32, widths, glu=glu)
+    for a, b, n in zip(one, nine, widths):
+        assert a.shape == (1, n)
+        np.testing.assert_array_equal(np.array(a), np.array(b[:1]))
+    if glu < 0:
+        for out, p in zip(one, parts):
+            emu = emulate(x[:1], p[2], np.array(p[0][1]), np.array(p[0][2]), 32)
+            np.testing.assert_allclose(np.array(out), emu, rtol=1e-5, atol=1e-3)
+
+
+@needs_kernel
 def test_leading_dims_zeros_and_no_tokens(isa):
     rng = np.random.default_rng(2)
     triple, w, q = random_weight(rng, 24, 64, 8, 32)
