@@ -41,20 +41,27 @@ struct PackedActs {
   const float* s;
 };
 
-// Packs tokens min(t0 + i, t_last), i < tt, blocks [blk_begin, blk_end) and groups [g_begin, g_end) of a
-// into x, d, s (plain copies: 64 or 32 bytes per token and block).
-inline void pack_acts(const QmmActs& a, int64_t t0, int64_t t_last, int tt, int blk_begin, int blk_end, int g_begin,
-                      int g_end, int32_t* x, float* d, float* s) {
+// Packs tokens min(t0 + i, t_last), i < tt, all blocks and groups of a into x, d, s (64 or 32 bytes per
+// token and block: one vector load and store, WORDS known at compile time).
+template <int WORDS>
+inline void pack_acts(const QmmActs& a, int64_t t0, int64_t t_last, int tt, int32_t* x, float* d, float* s) {
   const int K = a.K, blocks = K / kActBlock, groups = K / a.group_size;
-  const int words = act_two_planes(a.bits) ? 16 : 8;
-  for (int t = 0; t < tt; ++t) {
-    const int64_t row = t0 + t < t_last ? t0 + t : t_last;
-    for (int b = blk_begin; b < blk_end; ++b) {
-      std::memcpy(x + ((b - blk_begin) * tt + t) * words, a.xq + act_at(row, b, K, a.bits), words * 4);
-      d[(b - blk_begin) * tt + t] = a.xd[row * blocks + b];
+  int64_t rows[kGemmMaxTile];
+  for (int t = 0; t < tt; ++t) rows[t] = t0 + t < t_last ? t0 + t : t_last;
+  // block-major: the writes go in order, each token's row is read in order
+  for (int b = 0; b < blocks; ++b) {
+    for (int t = 0; t < tt; ++t, x += WORDS) {
+      const int8_t* src = a.xq + act_at(rows[t], b, K, a.bits);
+      if constexpr (WORDS == 16) {
+        _mm512_storeu_si512(x, _mm512_loadu_si512(src));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+      }
+      *d++ = a.xd[rows[t] * blocks + b];
     }
-    for (int g = g_begin; g < g_end; ++g) s[(g - g_begin) * tt + t] = a.xsum[row * groups + g];
   }
+  for (int g = 0; g < groups; ++g)
+    for (int t = 0; t < tt; ++t) *s++ = a.xsum[rows[t] * groups + g];
 }
 
 // acc[t][r] += the products of groups [g_begin, g_end) of panel p for the TT tokens packed in x.
@@ -182,7 +189,7 @@ int pack_pass(const QmmActs& a, int64_t tb, int64_t te, PackedActs* tiles) {
     int32_t* x = xbuf + static_cast<size_t>(used) * blocks * words;
     float* d = dbuf + static_cast<size_t>(used) * blocks;
     float* s = sbuf + static_cast<size_t>(used) * groups;
-    pack_acts(a, t0, te - 1, tt, 0, blocks, 0, groups, x, d, s);
+    pack_acts<words>(a, t0, te - 1, tt, x, d, s);
     tiles[n] = {x, d, s};
     used += tt;
   }
