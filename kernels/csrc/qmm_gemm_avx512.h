@@ -1,25 +1,22 @@
-// The AVX-512 VNNI quantized matmul for many tokens (run_panels' path for >= kGemmMinTokens tokens):
-// the same int32 block sums and the same float epilogue, in the same order, as tile() (bit-identical),
-// arranged so that the vector ports spend their time on vpdpbusd:
+// The AVX-512 VNNI quantized matmul for many tokens (run_panels' path from kGemmMinTokens tokens with int12
+// or int16 activations): the same int32 block sums and the same float epilogue, in the same order, as
+// tile() (bit-identical), arranged so that the vector ports spend more of their slots on vpdpbusd:
 //
-//   - tiles of up to 16 tokens x 16 rows (12 with two int32 accumulators per token): every unpacked
-//     64-byte weight vector is used by 16 tokens' broadcasts (tile() stops at 8), and the float
-//     accumulators live in an L1 buffer (load, fma, store: the load and store ports are idle) instead of
-//     taking registers from the integer accumulators;
 //   - int12 activations with 4-bit weights take ONE int32 accumulator per token: the weights are unpacked
 //     twice, q (0..15) and 16 q (0..240, still a u8), so that vpdpbusd(16 q, hi) + vpdpbusd(q, lo) sums
-//     q (16 hi + lo) = q X directly (the same int32 as tile()'s (sum q hi) << 4 + sum q lo, with no
-//     combine per token and block and half the accumulator registers);
-//   - K in chunks of kGemmChunkK (whole groups): the chunk of every token of a pass (<= kGemmTokens) and
-//     the chunk of one panel stay in L1 while the panel's token tiles run; the float accumulators carry
-//     over from chunk to chunk, so each output still sees its blocks and groups in K order.
-// Included inside namespace metrale::avx512::qmm by qmm_kernel.h (needs load16v, prefetch, combine,
-// glu_row, panel_bytes).
+//     q (16 hi + lo) = q X directly (the same int32 as tile()'s (sum q hi) << 4 + sum q lo, without the
+//     combine per token and block), which leaves room for tiles of 16 tokens (two sums: 8);
+//   - each pass packs its tokens' activations (all of K) token-interleaved, block-major, so that a tile
+//     reads every broadcast from one pointer at constant offsets (16 row pointers spill);
+//   - the float accumulators live in an L1 buffer (load, fma, store: the load and store ports are idle),
+//     so the registers hold the integer sums.
+// docs/quantized-kernels.md ("AVX-512 VNNI for many tokens") has the measurements. Included inside
+// namespace metrale::avx512::qmm by qmm_kernel.h (uses load16v, prefetch, combine, glu_row, panel_bytes).
 #pragma once
 
 namespace gemm {
 
-constexpr int kGemmTokens = 64;   // tokens per pass: the float accumulators of a pass are on the stack
+constexpr int kGemmTokens = 64;  // tokens per pass: their packed activations (L2), their accumulators (stack, L1)
 constexpr int kGemmMaxTile = 16;
 constexpr int kPassRows = kGemmTokens + kGemmMaxTile;  // a pass's token rows, padded to whole tiles
 
@@ -32,9 +29,9 @@ constexpr int max_tile() {  // two int32 accumulators per token: 12 tokens spill
   return one_accumulator<BITS, ACT>() ? 16 : 8;
 }
 
-// One tile's activations for one chunk, token-interleaved so that the tile reads them all from one
+// One tile's activations for all of K, token-interleaved so that the tile reads them all from one
 // pointer: block b of token t at x[(b * tt + t) * words] (its 4-byte words, as in xq), its d at
-// d[b * tt + t], and the tile's xsum of group g at s[g * tt + t] (b, g counted from the chunk's start).
+// d[b * tt + t], and the tile's xsum of group g at s[g * tt + t] (b, g counted from the start of K).
 struct PackedActs {
   const int32_t* x;
   const float* d;
