@@ -168,9 +168,14 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
     // across the block's token tiles, so they get at least 64 tokens: 1.5x at K = 8192 against 16)
     const int64_t min_block = std::strcmp(kernels.isa, "avx512_amx") == 0 ? 64 : 16;
     const int64_t block = std::max<int64_t>(min_block, kActivationBlockBytes / act_bytes / 16 * 16);
+    // (the avx512 set's GEMM path, >= 16 tokens of int12/int16, packs a task's token block once for all its
+    // panels, qmm_gemm_avx512.h: 8 panels per task amortize it, 4 do not; 16 starve a thread of the 2048-row q/o at
+    // 16-32 tokens)
+    const bool packs = std::strcmp(kernels.isa, "avx512") == 0 && act_bits != 8 && tokens >= 16;
+    const int64_t per_task =
+        tokens <= kDecodeTokens ? kDecodePanelsPerTask : (packs ? 2 * kPanelsPerTask : kPanelsPerTask);
     struct Task { int out; int64_t begin, end, t_begin, t_end; };
     std::vector<Task> tasks;
-    const int64_t per_task = tokens <= kDecodeTokens ? kDecodePanelsPerTask : kPanelsPerTask;
     for (int64_t t0 = 0; t0 < tokens; t0 += block) {
       for (int j = 0; j < static_cast<int>(outs.size()); ++j) {
         const int64_t first = outs[j].first_panel, n = ceil_div(outs[j].columns, kPanelRows);

@@ -397,10 +397,20 @@ inline void glu_row(int kind, const float* gate, const float* up, float* out) {
   }
 }
 
+#if defined(METRALE_QMM_AVX512)
+#include "qmm_gemm_avx512.h"
+constexpr int64_t kGemmMinTokens = 16;  // from here run_panels takes gemm::run_gemm (qmm_gemm_avx512.h)
+#endif
+
 template <int BITS, bool F16S, int ACT>
 void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
                 int64_t t_begin, int64_t t_end) {
   static constexpr auto tiles = make_tiles<BITS, F16S, ACT>(std::make_integer_sequence<int, kMaxTile>{});
+#if defined(METRALE_QMM_AVX512)
+  // (int8 activations stay on tile(): 8 vpdpbusd per token and block, the GEMM's packing does not pay)
+  if (ACT != 8 && t_end - t_begin >= kGemmMinTokens)
+    return gemm::run_gemm<BITS, F16S, ACT>(w, a, o, p_begin, p_end, t_begin, t_end);
+#endif
   alignas(64) float acc[kMaxTile][R], up[kMaxTile][R];
   for (int64_t p = p_begin; p < p_end; ++p) {
     const int64_t col0 = (p - o.first_panel) * R;
