@@ -1,0 +1,443 @@
+// Paged prefill attention on AMX-BF16 tiles (Sapphire Rapids and later): the avx512_amx kernel set's
+// PrefillStaged (kernel_table.h), compiled once with AVX-512 + AVX512-BF16 + AMX-BF16 flags in its own
+// namespace (METRALE_ISA_NS = avx512_amx_bf16, CMakeLists.txt), so the inline helpers of the headers get a
+// private copy. Same contract as prefill_kernel.h (causal, window, GQA, NaN rows for bad block ids); only
+// the arithmetic differs.
+//
+// Two phases per chunk (paged_prefill.cpp): stage, then attend.
+//   stage: every key block of 64 keys of every kv head, keys lo_all .. first + q_len - 1 (lo_all: the
+//   window's start for the chunk's first query), is converted ONCE into bf16 tiles: K as A tiles (16 keys x
+//   32 d) and V^T as A tiles (16 d x 32 keys), each value split x = hi + lo (two bf16: exact for float16 and
+//   bfloat16 pools, ~2^-17 relative for float32 and q8; bfloat16 pools have no lo). Keys past the chunk or
+//   behind a bad block id are zeros.
+//   attend: a task is (kv head g, query tile); its rows (query, head of g) in row tiles of 16 rows; per key
+//   block (outer) and row tile (inner, so the block's tiles stay in L1):
+//     S^T (64 keys x 16 rows) = K Q^T        TDPBF16PS, A = K tiles, B = Q^T hi / lo in VNNI pairs
+//                                            = Khi Qhi + Khi Qlo + Klo Qhi (Klo Qlo ~2^-16 dropped)
+//     online softmax down the keys (the rows are vector lanes: no horizontal op), causal / window mask
+//     P^T -> VNNI B tiles, split hi (truncated) + lo (rounded): ~2^-16 relative
+//     O^T (d x 16 rows) = O^T alpha + V^T P^T = Vhi Phi + Vhi Plo + Vlo Phi
+//   out = O / l. Every product accumulates in float32 inside the tile unit.
+// No allocation and no exception here: the staged tiles and each task's scratch come from run_prefill.
+// Tile state is per thread: each task loads the configuration and releases the tiles before it returns.
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernel_table.h"
+#include "prefill_kernel.h"
+
+#ifndef METRALE_ISA_NS
+#error "compile with -DMETRALE_ISA_NS=avx512_amx_bf16"
+#endif
+
+namespace metrale::METRALE_ISA_NS::amx_prefill {
+
+namespace {
+
+using kernel::bf16_t;
+using kernel::f16_t;
+constexpr int kKeys = 64;     // keys per staged block (4 S^T tiles, 2 P^T tiles)
+constexpr int kRows = 16;     // rows per row tile (one C tile's columns)
+constexpr int kTile = 512;    // bf16 values per tile (16 rows x 64 bytes)
+constexpr int kRowsPerTask = 128;  // rows (queries x rep) a task aims at: its K/V tile loads feed 8 row tiles
+constexpr int64_t kMaxStagedBytes = int64_t{1} << 30;  // beyond: the avx512 kernel (no staging)
+
+// The geometry of one chunk's staged tiles.
+struct Layout {
+  int dk, dv;      // head_dim rounded up to 32 (K tiles' width) and to 16 (V^T tiles' height)
+  int copies;      // 2: hi and lo; 1: hi only (bfloat16 pools)
+  int lo_all;      // the first staged key
+  int blocks;      // key blocks per kv head
+  int64_t block_elems;  // bf16 values per (kv head, block)
+  int k_tile(int copy, int kg, int c) const { return ((copy * 4 + kg) * (dk / 32) + c) * kTile; }
+  int v_tile(int copy, int dc, int h) const { return copies * 4 * (dk / 32) * kTile + ((copy * (dv / 16) + dc) * 2 + h) * kTile; }
+};
+
+Layout layout(const PrefillDims& dm, Dtype dtype) {
+  Layout L;
+  L.dk = (dm.head_dim + 31) / 32 * 32;
+  L.dv = (dm.head_dim + 15) / 16 * 16;
+  L.copies = dtype == Dtype::bfloat16 ? 1 : 2;
+  L.lo_all = dm.window > 0 ? kernel::max_of(0, dm.first_position - dm.window + 1) : 0;
+  L.blocks = (dm.first_position + dm.q_len - L.lo_all + kKeys - 1) / kKeys;
+  L.block_elems = static_cast<int64_t>(L.copies) * (4 * (L.dk / 32) + 2 * (L.dv / 16)) * kTile;
+  return L;
+}
+
+int query_tile(const PrefillDims& dm) {
+  const int rep = dm.n_heads / dm.n_kv;
+  return kernel::max_of(1, kRowsPerTask / rep);
+}
+
+struct Scratch {  // one task's scratch, carved from 64-byte aligned floats
+  uint16_t* qt;   // (row tiles, dk / 32, 2 copies) Q^T B tiles
+  float* o;       // (row tiles, dv, 16) O^T
+  float* m;       // (row tiles, 16) running max
+  float* l;       // (row tiles, 16) running sum
+  float* st;      // (64, 16) S^T of one row tile and block, then P^T
+  uint16_t* pt;   // (2 halves, 2 copies) P^T B tiles
+};
+
+int64_t scratch_floats_for(const PrefillDims& dm, int row_tiles) {
+  const Layout L = layout(dm, Dtype::float32);
+  return row_tiles * (int64_t{L.dk / 32} * kTile + L.dv * kRows + 2 * kRows) + kKeys * kRows + 2 * kTile + 16;
+}
+
+Scratch carve(float* base, int row_tiles, const Layout& L) {
+  float* p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t{63});
+  Scratch s;
+  s.qt = reinterpret_cast<uint16_t*>(p);
+  p += int64_t{row_tiles} * (L.dk / 32) * kTile;  // 2 copies of 512 bf16 = 512 floats per chunk
+  s.o = p;
+  p += int64_t{row_tiles} * L.dv * kRows;
+  s.m = p;
+  p += row_tiles * kRows;
+  s.l = p;
+  p += row_tiles * kRows;
+  s.st = p;
+  p += kKeys * kRows;
+  s.pt = reinterpret_cast<uint16_t*>(p);
+  return s;
+}
+
+// x = hi + lo, both bf16 rounded to nearest even (hi's error is lo, exactly; lo's is ~2^-9 of lo).
+inline void split16(__m512 x, __m256i& hi, __m256i& lo) noexcept {
+  const __m256bh h = _mm512_cvtneps_pbh(x);
+  hi = reinterpret_cast<const __m256i&>(h);
+  const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+  const __m256bh r = _mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+  lo = reinterpret_cast<const __m256i&>(r);
+}
+
+// A row of n floats (n a multiple of 16) as hi / lo bf16.
+inline void split_row(const float* x, int n, uint16_t* hi, uint16_t* lo) noexcept {
+  for (int i = 0; i < n; i += 16) {
+    __m256i h, l;
+    split16(_mm512_loadu_ps(x + i), h, l);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), l);
+  }
+}
+
+// Key blocks [b_begin, b_end) of kv head g into their staged tiles.
+template <typename T>
+void stage_blocks(const PrefillDims& dm, const T* kp, const T* vp, const int32_t* table, uint16_t* staged, int g,
+                  int b_begin, int b_end) noexcept {
+  const Layout L = layout(dm, std::is_same_v<T, bf16_t> ? Dtype::bfloat16 : Dtype::float32);
+  const int hd = dm.head_dim, bs = dm.block_size, end = dm.first_position + dm.q_len;
+  const int64_t stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;
+  const kernel::RowReader<T> read(hd, dm.q8_group);
+  alignas(64) float kf[kernel::kMaxHeadDim], vf[kernel::kMaxHeadDim];
+  alignas(64) uint16_t kh[kernel::kMaxHeadDim], kl[kernel::kMaxHeadDim];
+  alignas(64) uint16_t vh[32][kernel::kMaxHeadDim], vl[32][kernel::kMaxHeadDim];  // one half's V rows
+  for (int b = b_begin; b < b_end; ++b) {
+    uint16_t* blk = staged + (static_cast<int64_t>(g) * L.blocks + b) * L.block_elems;
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 32; ++j) {
+        const int key = h * 32 + j, t = L.lo_all + b * kKeys + key;
+        const int32_t id = t < end ? table[t / bs] : -1;
+        kernel::fill(kf, kf + L.dk, 0.0f);
+        kernel::fill(vf, vf + L.dv, 0.0f);
+        if (id >= 0 && id < dm.num_blocks) {
+          const int64_t row = (static_cast<int64_t>(id) * bs + t % bs) * stride + static_cast<int64_t>(g) * dm.kv_row;
+          read(kp + row, [&](int c, kernel::v8f v) { kernel::store8(kf + c * kernel::kW, v); });
+          read(vp + row, [&](int c, kernel::v8f v) { kernel::store8(vf + c * kernel::kW, v); });
+        }
+        split_row(kf, L.dk, kh, kl);
+        split_row(vf, L.dv, vh[j], vl[j]);
+        for (int copy = 0; copy < L.copies; ++copy)
+          for (int c = 0; c < L.dk / 32; ++c)  // A tile row: 32 d of this key
+            std::memcpy(blk + L.k_tile(copy, key / 16, c) + (key % 16) * 32, (copy ? kl : kh) + c * 32, 64);
+      }
+      for (int copy = 0; copy < L.copies; ++copy)
+        for (int dc = 0; dc < L.dv / 16; ++dc) {  // V^T A tile: 16 d rows x 32 keys
+          uint16_t* tile = blk + L.v_tile(copy, dc, h);
+          for (int dd = 0; dd < 16; ++dd)
+            for (int j = 0; j < 32; ++j) tile[dd * 32 + j] = (copy ? vl : vh)[j][dc * 16 + dd];
+        }
+    }
+  }
+}
+
+void stage(const PrefillDims& dm, Dtype dtype, const void* kp, const void* vp, const int32_t* table, void* staged,
+           int g, int b_begin, int b_end) {
+  auto* s = static_cast<uint16_t*>(staged);
+  if (dtype == Dtype::float32)
+    stage_blocks(dm, static_cast<const float*>(kp), static_cast<const float*>(vp), table, s, g, b_begin, b_end);
+  else if (dtype == Dtype::float16)
+    stage_blocks(dm, static_cast<const f16_t*>(kp), static_cast<const f16_t*>(vp), table, s, g, b_begin, b_end);
+  else if (dtype == Dtype::bfloat16)
+    stage_blocks(dm, static_cast<const bf16_t*>(kp), static_cast<const bf16_t*>(vp), table, s, g, b_begin, b_end);
+  else
+    stage_blocks(dm, static_cast<const int8_t*>(kp), static_cast<const int8_t*>(vp), table, s, g, b_begin, b_end);
+}
+
+int64_t staged_bytes(const PrefillDims& dm, Dtype dtype) {
+  const Layout L = layout(dm, dtype);
+  const int64_t bytes = 2 * L.block_elems * L.blocks * dm.n_kv;
+  return bytes <= kMaxStagedBytes ? bytes : 0;
+}
+
+int key_blocks(const PrefillDims& dm) { return layout(dm, Dtype::float32).blocks; }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig make_config() {  // every tile 16 rows x 64 bytes
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+  return c;
+}
+
+// S^T (64 keys x 16 rows) of one block and row tile into st: tiles 0-3 the key groups' C, 4 / 5 K hi / lo
+// (A), 6 / 7 Q^T hi / lo (B). GCC's tile intrinsics take literal tile numbers, hence the macro.
+template <bool LO>
+inline void scores(const uint16_t* blk, const Layout& L, const uint16_t* qt, float* st) noexcept {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int c = 0; c < L.dk / 32; ++c) {
+    _tile_loadd(6, qt + (2 * c) * kTile, 64);
+    _tile_loadd(7, qt + (2 * c + 1) * kTile, 64);
+#define METRALE_KEY_GROUP(n)                                          \
+  _tile_loadd(4, blk + L.k_tile(0, n, c), 64);                        \
+  if constexpr (LO) _tile_loadd(5, blk + L.k_tile(1, n, c), 64);      \
+  _tile_dpbf16ps(n, 4, 6);                                            \
+  _tile_dpbf16ps(n, 4, 7);                                            \
+  if constexpr (LO) _tile_dpbf16ps(n, 5, 6);                          \
+  if constexpr (LO) _tile_dpbf16ps(n, 5, 7);
+    METRALE_KEY_GROUP(0)
+    METRALE_KEY_GROUP(1)
+    METRALE_KEY_GROUP(2)
+    METRALE_KEY_GROUP(3)
+#undef METRALE_KEY_GROUP
+  }
+  _tile_stored(0, st, 64);
+  _tile_stored(1, st + 16 * kRows, 64);
+  _tile_stored(2, st + 32 * kRows, 64);
+  _tile_stored(3, st + 48 * kRows, 64);
+}
+
+// O^T (dv x 16 rows) += V^T P^T for one block: tiles 4-7 P^T hi / lo of key halves 0 and 1 (B), 0 the C of
+// one 16-d chunk of O^T (loaded and stored per chunk), 1 / 2 V^T hi / lo of half 0, 3 / 2 of half 1 (A).
+template <bool LO>
+inline void values(const uint16_t* blk, const Layout& L, const uint16_t* pt, float* o) noexcept {
+  _tile_loadd(4, pt, 64);
+  _tile_loadd(5, pt + kTile, 64);
+  _tile_loadd(6, pt + 2 * kTile, 64);
+  _tile_loadd(7, pt + 3 * kTile, 64);
+  for (int dc = 0; dc < L.dv / 16; ++dc) {
+    float* od = o + dc * 16 * kRows;
+    _tile_loadd(0, od, 64);
+    _tile_loadd(1, blk + L.v_tile(0, dc, 0), 64);
+    _tile_loadd(3, blk + L.v_tile(0, dc, 1), 64);
+    if constexpr (LO) _tile_loadd(2, blk + L.v_tile(1, dc, 0), 64);
+    _tile_dpbf16ps(0, 1, 4);
+    _tile_dpbf16ps(0, 1, 5);
+    if constexpr (LO) _tile_dpbf16ps(0, 2, 4);
+    if constexpr (LO) _tile_loadd(2, blk + L.v_tile(1, dc, 1), 64);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_dpbf16ps(0, 3, 7);
+    if constexpr (LO) _tile_dpbf16ps(0, 2, 6);
+    _tile_stored(0, od, 64);
+  }
+}
+
+// e^x for finite x <= 0 as 2^n 2^f, n = round(x log2 e), f = x log2 e - n in [-1/2, 1/2]: a degree-5 fit of
+// 2^f (relative error 1.1e-7, a least-squares fit on Chebyshev nodes) and vscalefps for 2^n (0 far below).
+// Lanes off `keep` are 0 (masked keys). ~10 instructions against vecmath's ~18.
+inline __m512 exp16(__mmask16 keep, __m512 x) noexcept {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0013218676904216409f), f, _mm512_set1_ps(0.009671707637608051f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550893023610115f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022237956523895f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931468844413757f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+// The bits of x rounded to its nearest bf16 (even on ties) in the upper half; the lower half is garbage.
+inline __m512i round_hi(__m512i x) noexcept {
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(x, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+
+// Online softmax of one block's S^T (64 keys x 16 row lanes, keys t0 ..): with MASK, keys a row cannot see
+// (past its position pos, at or before pos - window) are dropped; st becomes the P^T B tiles in pt (key
+// pairs in VNNI dwords; x = hi + lo, both rounded to bf16: ~2^-17 relative), m and l are updated; returns
+// alpha = e^(m - m') (0 for rows that saw no key before).
+template <bool MASK>
+inline __m512 softmax_block(const float* st, uint16_t* pt, float* m, float* l, __m512i pos, int t0, int window) noexcept {
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  const __m512i lower = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
+  auto seen = [&](int j) -> __mmask16 {  // the lanes whose row sees key t0 + j
+    if constexpr (!MASK) return 0xFFFF;
+    const __m512i t = _mm512_set1_epi32(t0 + j);
+    __mmask16 out = _mm512_cmpgt_epi32_mask(t, pos);
+    if (window > 0) out |= _mm512_cmple_epi32_mask(t, lower);
+    return static_cast<__mmask16>(~out);
+  };
+  __m512 mt[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+  for (int j = 0; j < kKeys; ++j) mt[j & 3] = _mm512_mask_max_ps(mt[j & 3], seen(j), mt[j & 3], _mm512_load_ps(st + j * kRows));
+  const __m512 m_old = _mm512_load_ps(m);
+  const __m512 m_new = _mm512_max_ps(_mm512_max_ps(_mm512_max_ps(mt[0], mt[1]), _mm512_max_ps(mt[2], mt[3])), m_old);
+  const __mmask16 some = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_UQ);  // rows that have seen a key
+  const __m512 m_sub = _mm512_maskz_mov_ps(some, m_new);
+  const __mmask16 before = _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_UQ);
+  const __m512 alpha = exp16(before, _mm512_sub_ps(_mm512_maskz_mov_ps(before, m_old), m_sub));
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  alignas(64) static constexpr int16_t kHiPairs[32] = {1,  33, 3,  35, 5,  37, 7,  39, 9,  41, 11, 43, 13, 45, 15, 47,
+                                                      17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
+  alignas(64) static constexpr int16_t kLoPairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i hi_pairs = _mm512_load_si512(kHiPairs), lo_pairs = _mm512_load_si512(kLoPairs);
+  __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int j = 0; j < kKeys; j += 2) {
+    __m512 e[2];
+    for (int u = 0; u < 2; ++u) {
+      e[u] = exp16(seen(j + u), _mm512_sub_ps(_mm512_load_ps(st + (j + u) * kRows), m_sub));
+      sum[u] = _mm512_add_ps(sum[u], e[u]);
+    }
+    const __m512i a = round_hi(_mm512_castps_si512(e[0])), b = round_hi(_mm512_castps_si512(e[1]));
+    const __m512 lo_a = _mm512_sub_ps(e[0], _mm512_castsi512_ps(_mm512_and_si512(a, hi_mask)));
+    const __m512 lo_b = _mm512_sub_ps(e[1], _mm512_castsi512_ps(_mm512_and_si512(b, hi_mask)));
+    const __m512bh lo = _mm512_cvtne2ps_pbh(lo_b, lo_a);  // words 0-15 lo_a, 16-31 lo_b
+    uint16_t* row = pt + (j / 32) * 2 * kTile + (j % 32) / 2 * 32;
+    _mm512_store_si512(row, _mm512_permutex2var_epi16(a, hi_pairs, b));
+    _mm512_store_si512(row + kTile, _mm512_permutexvar_epi16(lo_pairs, reinterpret_cast<const __m512i&>(lo)));
+  }
+  _mm512_store_ps(m, m_new);
+  _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), alpha, _mm512_add_ps(sum[0], sum[1])));
+  return alpha;
+}
+
+// Q^T of the task's rows, scaled, as B tiles: per row tile and 32-d chunk c, hi then lo; row i of a tile
+// holds d = 32c + 2i, 32c + 2i + 1 of the 16 rows, one dword per row. Pad rows are zeros.
+template <typename RowOf>
+void stage_queries(const PrefillDims& dm, const Layout& L, int rows, int row_tiles, RowOf row_of, uint16_t* qt) noexcept {
+  std::memset(qt, 0, sizeof(uint16_t) * row_tiles * (L.dk / 32) * 2 * kTile);
+  alignas(64) float qs[kernel::kMaxHeadDim];
+  alignas(64) uint16_t qh[kernel::kMaxHeadDim], ql[kernel::kMaxHeadDim];
+  for (int r = 0; r < rows; ++r) {
+    const float* src = row_of(r);
+    for (int d = 0; d < L.dk; ++d) qs[d] = d < dm.head_dim ? src[d] * dm.scale : 0.0f;
+    split_row(qs, L.dk, qh, ql);
+    uint16_t* tiles = qt + static_cast<int64_t>(r / kRows) * (L.dk / 32) * 2 * kTile;
+    const int n = r % kRows;
+    for (int c = 0; c < L.dk / 32; ++c)
+      for (int i = 0; i < 16; ++i) {
+        std::memcpy(tiles + 2 * c * kTile + i * 32 + 2 * n, qh + 32 * c + 2 * i, 4);
+        std::memcpy(tiles + (2 * c + 1) * kTile + i * 32 + 2 * n, ql + 32 * c + 2 * i, 4);
+      }
+  }
+}
+
+template <bool LO>
+void attend(const PrefillDims& dm, const Layout& L, const float* q, const int32_t* table, const uint16_t* staged,
+            float* out, float* scratch, int g, int q_begin, int q_end) noexcept {
+  const int hd = dm.head_dim, rep = dm.n_heads / dm.n_kv, rows = (q_end - q_begin) * rep;
+  const int row_tiles = (rows + kRows - 1) / kRows;
+  const int first = dm.first_position, hi = first + q_end - 1;
+  const int lo = dm.window > 0 ? kernel::max_of(0, first + q_begin - dm.window + 1) : 0;
+  auto out_row = [&](int r) { return out + (static_cast<int64_t>(q_begin + r / rep) * dm.n_heads + g * rep + r % rep) * hd; };
+  if (static_cast<int64_t>(hi) >= static_cast<int64_t>(dm.max_blocks) * dm.block_size) {
+    for (int r = 0; r < rows; ++r) kernel::fill(out_row(r), out_row(r) + hd, __builtin_nanf(""));
+    return;
+  }
+  auto bad_block = [&](int b) { return table[b] < 0 || table[b] >= dm.num_blocks; };
+  int first_bad = -1;  // the first block id outside the pool among the task's keys
+  for (int b = lo / dm.block_size; first_bad < 0 && b <= hi / dm.block_size; ++b)
+    if (bad_block(b)) first_bad = b;
+  const Scratch s = carve(scratch, row_tiles, L);
+  stage_queries(dm, L, rows, row_tiles, [&](int r) {
+    return q + (static_cast<int64_t>(q_begin + r / rep) * dm.n_heads + g * rep + r % rep) * hd;
+  }, s.qt);
+  std::memset(s.o, 0, sizeof(float) * row_tiles * L.dv * kRows);
+  for (int i = 0; i < row_tiles * kRows; ++i) s.m[i] = -__builtin_inff(), s.l[i] = 0.0f;
+  auto position = [&](int r) { return first + q_begin + kernel::min_of(r, rows - 1) / rep; };  // pad rows: the last
+  static const TileConfig config = make_config();
+  _tile_loadconfig(&config);
+  for (int b = (lo - L.lo_all) / kKeys; b <= (hi - L.lo_all) / kKeys; ++b) {
+    const uint16_t* blk = staged + (static_cast<int64_t>(g) * L.blocks + b) * L.block_elems;
+    const int t0 = L.lo_all + b * kKeys;
+    for (int rt = 0; rt < row_tiles; ++rt) {
+      const int p_min = position(rt * kRows), p_max = position(rt * kRows + kRows - 1);
+      if (t0 > p_max || (dm.window > 0 && t0 + kKeys - 1 <= p_min - dm.window)) continue;  // no row sees a key
+      alignas(64) int32_t pos[kRows];
+      for (int n = 0; n < kRows; ++n) pos[n] = position(rt * kRows + n);
+      const bool mask = t0 + kKeys - 1 > p_min || (dm.window > 0 && t0 <= p_max - dm.window);
+      scores<LO>(blk, L, s.qt + static_cast<int64_t>(rt) * (L.dk / 32) * 2 * kTile, s.st);
+      const __m512 alpha = (mask ? softmax_block<true> : softmax_block<false>)(
+          s.st, s.pt, s.m + rt * kRows, s.l + rt * kRows, _mm512_load_si512(pos), t0, dm.window);
+      float* o = s.o + static_cast<int64_t>(rt) * L.dv * kRows;
+      if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+        for (int d = 0; d < L.dv; ++d) _mm512_store_ps(o + d * kRows, _mm512_mul_ps(_mm512_load_ps(o + d * kRows), alpha));
+      values<LO>(blk, L, s.pt, o);
+    }
+  }
+  _tile_release();
+  // A row that sees a key of a bad block id is NaN (its staged keys are zeros); the others are exact.
+  auto row_sees_bad = [&](int r) {
+    const int p = position(r), from = dm.window > 0 ? kernel::max_of(0, p - dm.window + 1) : 0;
+    if (p < first_bad * dm.block_size) return false;
+    for (int b = kernel::max_of(first_bad, from / dm.block_size); b <= p / dm.block_size; ++b)
+      if (bad_block(b)) return true;
+    return false;
+  };
+  for (int r = 0; r < rows; ++r) {
+    const float lr = s.l[r];
+    const float inv = lr > 0.0f && (first_bad < 0 || !row_sees_bad(r)) ? 1.0f / lr : __builtin_nanf("");
+    const float* o = s.o + static_cast<int64_t>(r / kRows) * L.dv * kRows + r % kRows;
+    float* dst = out_row(r);
+    for (int d = 0; d < hd; ++d) dst[d] = o[d * kRows] * inv;
+  }
+}
+
+void task(const PrefillDims& dm, Dtype dtype, const float* q, const int32_t* table, const void* staged, float* out,
+          float* scratch, int g, int q_begin, int q_end) {
+  const Layout L = layout(dm, dtype);
+  (L.copies == 2 ? attend<true> : attend<false>)(dm, L, q, table, static_cast<const uint16_t*>(staged), out, scratch,
+                                                  g, q_begin, q_end);
+}
+
+int64_t scratch_floats(const PrefillDims& dm) {
+  const int rows = kernel::min_of(query_tile(dm), dm.q_len) * (dm.n_heads / dm.n_kv);
+  return scratch_floats_for(dm, (rows + kRows - 1) / kRows);
+}
+
+// AMX-BF16 (CPUID 7.0 EDX bit 22) and AVX512-BF16 (CPUID 7.1 EAX bit 5), besides what avx512_amx needs.
+bool runs_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22))) return false;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+
+const PrefillStaged kStaged{staged_bytes, query_tile, scratch_floats, key_blocks, stage, task};
+
+}  // namespace
+
+}  // namespace metrale::METRALE_ISA_NS::amx_prefill
+
+namespace metrale {
+
+// avx512_amx with the prefill attention above where the CPU has AMX-BF16 and AVX512-BF16 (every AMX CPU so
+// far); else avx512_amx as qmm_amx.cpp builds it.
+const KernelTable* kernel_table_avx512_amx_attention() {
+  static const KernelTable table = [] {
+    KernelTable t = *kernel_table_avx512_amx();
+    if (metrale::METRALE_ISA_NS::amx_prefill::runs_bf16()) t.prefill_staged = &metrale::METRALE_ISA_NS::amx_prefill::kStaged;
+    return t;
+  }();
+  return &table;
+}
+
+}  // namespace metrale
