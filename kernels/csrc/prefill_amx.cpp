@@ -122,6 +122,29 @@ inline void split_row(const float* x, int n, uint16_t* hi, uint16_t* lo) noexcep
   }
 }
 
+// r (16 x 16 dwords) transposed in place: unpacks within 128-bit lanes, then lane shuffles (64 instructions).
+inline void transpose16(__m512i* r) noexcept {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // u[4k + e], lane L: rows 4k .. 4k + 3 of column 4L + e
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[4 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
 // Key blocks [b_begin, b_end) of kv head g into their staged tiles.
 template <typename T>
 void stage_blocks(const PrefillDims& dm, const T* kp, const T* vp, const int32_t* table, uint16_t* staged, int g,
@@ -153,10 +176,17 @@ void stage_blocks(const PrefillDims& dm, const T* kp, const T* vp, const int32_t
             std::memcpy(blk + L.k_tile(copy, key / 16, c) + (key % 16) * 32, (copy ? kl : kh) + c * 32, 64);
       }
       for (int copy = 0; copy < L.copies; ++copy)
-        for (int dc = 0; dc < L.dv / 16; ++dc) {  // V^T A tile: 16 d rows x 32 keys
+        for (int dc = 0; dc < L.dv / 16; ++dc) {  // V^T A tile: 16 d rows x 32 keys, keys i and i + 16 paired
+          const uint16_t(*v)[kernel::kMaxHeadDim] = copy ? vl : vh;
+          __m512i col[16];  // col[i] dword dd: (v[i][d], v[i + 16][d]), d = 16 dc + dd
+          for (int i = 0; i < 16; ++i) {
+            const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[i] + dc * 16)));
+            const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[i + 16] + dc * 16)));
+            col[i] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+          }
+          transpose16(col);
           uint16_t* tile = blk + L.v_tile(copy, dc, h);
-          for (int dd = 0; dd < 16; ++dd)
-            for (int j = 0; j < 32; ++j) tile[dd * 32 + j] = (copy ? vl : vh)[j][dc * 16 + dd];
+          for (int dd = 0; dd < 16; ++dd) _mm512_store_si512(tile + dd * 32, col[dd]);
         }
     }
   }
@@ -265,15 +295,9 @@ inline __m512 exp16(__mmask16 keep, __m512 x) noexcept {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-// The bits of x rounded to its nearest bf16 (even on ties) in the upper half; the lower half is garbage.
-inline __m512i round_hi(__m512i x) noexcept {
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(x, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-}
-
 // Online softmax of one block's S^T (64 keys x 16 row lanes, keys t0 ..): with MASK, keys a row cannot see
 // (past its position pos, at or before pos - window) are dropped; st becomes the P^T B tiles in pt (key
-// pairs in VNNI dwords; x = hi + lo, both rounded to bf16: ~2^-17 relative), m and l are updated; returns
+// pairs i, i + 16 of each half in VNNI dwords; x = hi + lo, both rounded to bf16, ties away from 0: ~2^-18 relative), m and l are updated; returns
 // alpha = e^(m - m') (0 for rows that saw no key before).
 template <bool MASK>
 inline __m512 softmax_block(const float* st, uint16_t* pt, float* m, float* l, __m512i pos, int t0, int window) noexcept {
@@ -294,27 +318,24 @@ inline __m512 softmax_block(const float* st, uint16_t* pt, float* m, float* l, _
   const __m512 m_sub = _mm512_maskz_mov_ps(some, m_new);
   const __mmask16 before = _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_UQ);
   const __m512 alpha = exp16(before, _mm512_sub_ps(_mm512_maskz_mov_ps(before, m_old), m_sub));
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  alignas(64) static constexpr int16_t kHiPairs[32] = {1,  33, 3,  35, 5,  37, 7,  39, 9,  41, 11, 43, 13, 45, 15, 47,
-                                                      17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
-  alignas(64) static constexpr int16_t kLoPairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i hi_pairs = _mm512_load_si512(kHiPairs), lo_pairs = _mm512_load_si512(kLoPairs);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), half = _mm512_set1_epi32(0x8000);
+  // dword (upper half of a's bits, upper half of b's): vpternlog picks b's upper and (a >> 16)'s lower half
+  auto pair = [&](__m512i a, __m512i b) { return _mm512_ternarylogic_epi32(hi_mask, b, _mm512_srli_epi32(a, 16), 0xCA); };
   __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int j = 0; j < kKeys; j += 2) {
-    __m512 e[2];
-    for (int u = 0; u < 2; ++u) {
-      e[u] = exp16(seen(j + u), _mm512_sub_ps(_mm512_load_ps(st + (j + u) * kRows), m_sub));
-      sum[u] = _mm512_add_ps(sum[u], e[u]);
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 16; ++i) {  // B row i of half h: keys 32h + i and 32h + i + 16
+      __m512i hi[2], lo[2];
+      for (int u = 0; u < 2; ++u) {
+        const int j = 32 * h + i + 16 * u;
+        const __m512 e = exp16(seen(j), _mm512_sub_ps(_mm512_load_ps(st + j * kRows), m_sub));
+        sum[u] = _mm512_add_ps(sum[u], e);
+        hi[u] = _mm512_add_epi32(_mm512_castps_si512(e), half);  // rounded to nearest (ties away) in the upper half
+        lo[u] = _mm512_add_epi32(_mm512_castps_si512(_mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_and_si512(hi[u], hi_mask)))), half);
+      }
+      uint16_t* row = pt + h * 2 * kTile + i * 32;
+      _mm512_store_si512(row, pair(hi[0], hi[1]));
+      _mm512_store_si512(row + kTile, pair(lo[0], lo[1]));
     }
-    const __m512i a = round_hi(_mm512_castps_si512(e[0])), b = round_hi(_mm512_castps_si512(e[1]));
-    const __m512 lo_a = _mm512_sub_ps(e[0], _mm512_castsi512_ps(_mm512_and_si512(a, hi_mask)));
-    const __m512 lo_b = _mm512_sub_ps(e[1], _mm512_castsi512_ps(_mm512_and_si512(b, hi_mask)));
-    const __m512bh lo = _mm512_cvtne2ps_pbh(lo_b, lo_a);  // words 0-15 lo_a, 16-31 lo_b
-    uint16_t* row = pt + (j / 32) * 2 * kTile + (j % 32) / 2 * 32;
-    _mm512_store_si512(row, _mm512_permutex2var_epi16(a, hi_pairs, b));
-    _mm512_store_si512(row + kTile, _mm512_permutexvar_epi16(lo_pairs, reinterpret_cast<const __m512i&>(lo)));
-  }
   _mm512_store_ps(m, m_new);
   _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), alpha, _mm512_add_ps(sum[0], sum[1])));
   return alpha;
