@@ -1,7 +1,8 @@
-// The PagedPrefill primitive: graph construction, input checks and the CPU dispatch of prefill_kernel.h.
-// Tasks (query tile, kv head), the tiles with the most keys first, are spread over the kernel thread
-// pool. Block ids outside the pool give NaN rows, never an out-of-bounds read (the Python side checks
-// them first and raises).
+// The PagedPrefill primitive: graph construction, input checks and the CPU dispatch of prefill_kernel.h,
+// or of the kernel set's staged kernel where it has one (prefill_amx.cpp: K/V converted once per chunk,
+// then attended on AMX tiles; kernel_table.h PrefillStaged). Tasks (query tile, kv head), the tiles with
+// the most keys first, are spread over the kernel thread pool. Block ids outside the pool give NaN rows,
+// never an out-of-bounds read (the Python side checks them first and raises).
 #include "paged_prefill.h"
 
 #include <algorithm>

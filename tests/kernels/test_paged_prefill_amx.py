@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kernels import ext
+from kvcache import quantized
 from tests.kernels.test_kv_int8 import dequantize_np, quantize_np
 from tests.kvcache.test_attention import dense_attention
-from kvcache import quantized
 
 needs_amx = pytest.mark.skipif(ext.load() is None or "avx512_amx" not in ext.supported_isas(),
                                reason="the avx512_amx kernel set does not run here (no AMX, or Linux refused the tile state)")
