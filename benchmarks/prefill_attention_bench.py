@@ -1,7 +1,12 @@
 """The paged prefill attention kernel alone: GFLOP/s per 512-query chunk at contexts up to 8k, against the
 machine's float32 FMA peak.
 
-    .venv/bin/python benchmarks/prefill_attention_bench.py --shape 1b --contexts 512 2048 4096 8192 [--threads 1]
+    .venv/bin/python benchmarks/prefill_attention_bench.py --shape 1b --contexts 512 2048 4096 8192 [--threads 1] \
+        [--isa avx512 avx512_amx]
+
+--isa names kernel sets to compare (kernels.ext.supported_isas(); default: the one chosen at load): each
+repeat runs every set in turn on the same inputs (A/B alternated, so the shared machine's load hits both
+alike); avx512_amx runs the AMX-BF16 kernel (prefill_amx.cpp) for chunks of 16+ queries, avx512 the float32 one.
 
 One chunk of `--chunk` queries ending at each context (the chunk a long prompt's last step runs), float16
 pool (or --kv-dtype), block size 16, the model shape's heads. FLOPs counted: 4 * head_dim per
@@ -45,7 +50,7 @@ def visible_keys(first: int, q_len: int) -> int:
     return q_len * first + q_len * (q_len + 1) // 2
 
 
-def bench(shape: str, contexts: list[int], chunk: int, kv_dtype: str, repeat: int) -> list[dict]:
+def bench(shape: str, contexts: list[int], chunk: int, kv_dtype: str, repeat: int, isas: list[str]) -> list[dict]:
     import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
     import mlx.core as mx
 
@@ -65,16 +70,21 @@ def bench(shape: str, contexts: list[int], chunk: int, kv_dtype: str, repeat: in
         mx.eval(q)
         run = lambda: mx.eval(ext.paged_prefill(q, pool_k, pool_v, table, first_position=ctx - q_len,  # noqa: E731
                                                 scale=hd**-0.5, block_size=block, window=0))
-        run()
-        walls, cpus = [], []
-        for _ in range(repeat):
-            w, c = time.perf_counter(), time.process_time()
-            run()
-            walls.append(time.perf_counter() - w)
-            cpus.append(time.process_time() - c)
+        walls = {isa: [] for isa in isas}
+        cpus = {isa: [] for isa in isas}
+        for i in range(repeat + 1):  # the first round warms up
+            for isa in isas:
+                ext.set_cpu_isa(isa)
+                w, c = time.perf_counter(), time.process_time()
+                run()
+                if i:
+                    walls[isa].append(time.perf_counter() - w)
+                    cpus[isa].append(time.process_time() - c)
         flops = 4.0 * hd * n_heads * visible_keys(ctx - q_len, q_len)
-        rows.append({"context": ctx, "ms": min(walls) * 1e3, "gflops_wall": flops / min(walls) / 1e9,
-                     "gflops_cpu": flops / min(cpus) / 1e9})
+        for isa in isas:
+            rows.append({"context": ctx, "isa": isa, "ms": min(walls[isa]) * 1e3,
+                         "gflops_wall": flops / min(walls[isa]) / 1e9, "gflops_cpu": flops / min(cpus[isa]) / 1e9})
+    ext.set_cpu_isa("auto")
     return rows
 
 
@@ -87,18 +97,24 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: the default, all cores)")
     p.add_argument("--no-peak", action="store_true", help="skip the FMA probe")
+    p.add_argument("--isa", nargs="+", default=None, help="kernel sets to compare, alternated (default: the chosen one)")
     args = p.parse_args(argv)
     from kernels import ext
+
+    isas = args.isa or [ext.cpu_isa()]
+    unknown = [isa for isa in isas if isa not in ext.supported_isas()]
+    if unknown:
+        raise SystemExit(f"--isa {unknown}: this machine runs {ext.supported_isas()}")
 
     if args.threads and not ext.load().set_num_threads(args.threads):
         raise SystemExit(f"could not set {args.threads} kernel threads")
     threads = ext.load().num_threads()
     peak = {} if args.no_peak else fma_peak()
-    print(f"shape {args.shape} {SHAPES[args.shape]} kv {args.kv_dtype} isa {ext.cpu_isa()} threads {threads}; "
+    print(f"shape {args.shape} {SHAPES[args.shape]} kv {args.kv_dtype} threads {threads}; "
           f"FMA peak per core: {peak or 'not measured'} GFLOP/s")
-    print(f"{'context':>8s} {'ms':>8s} {'GFLOP/s wall':>13s} {'GFLOP/s cpu':>12s} {'per core':>9s}")
-    for r in bench(args.shape, args.contexts, args.chunk, args.kv_dtype, args.repeat):
-        print(f"{r['context']:8d} {r['ms']:8.1f} {r['gflops_wall']:13.1f} {r['gflops_cpu']:12.1f} "
+    print(f"{'context':>8s} {'isa':>11s} {'ms':>8s} {'GFLOP/s wall':>13s} {'GFLOP/s cpu':>12s} {'per core':>9s}")
+    for r in bench(args.shape, args.contexts, args.chunk, args.kv_dtype, args.repeat, isas):
+        print(f"{r['context']:8d} {r['isa']:>11s} {r['ms']:8.1f} {r['gflops_wall']:13.1f} {r['gflops_cpu']:12.1f} "
               f"{r['gflops_cpu'] / threads:9.1f}")
 
 

@@ -88,7 +88,11 @@ const std::vector<Entry>& entries() {
        }},
       {"avx512", kernel_table_avx512, runs_avx512},
 #if defined(__linux__) && defined(METRALE_HAVE_AMX)
+#if defined(METRALE_HAVE_AMX_BF16)
+      {"avx512_amx", kernel_table_avx512_amx_attention, runs_amx},
+#else
       {"avx512_amx", kernel_table_avx512_amx, runs_amx},
+#endif
 #endif
 #endif
 #if defined(__aarch64__)

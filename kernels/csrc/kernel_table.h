@@ -129,6 +129,21 @@ struct ArgmaxPart {
 // top_p sampling's first histogram (sampling_kernel.h candidate_masses): buckets of y over [floor, 0].
 constexpr int kSelectBuckets = 2048;
 
+// Paged prefill attention that converts the chunk's K/V once, then attends (prefill_amx.cpp: AMX-BF16 tiles).
+// run_prefill allocates staged_bytes (64-byte aligned; 0: not for these dims, the set's prefill_task runs),
+// runs stage over (kv head g, key blocks [b_begin, b_end) of key_blocks), then task over (kv head g, queries
+// [q_begin, q_end): tiles of query_tile queries) with scratch_floats floats of scratch per thread.
+struct PrefillStaged {
+  int64_t (*staged_bytes)(const PrefillDims& dm, Dtype dtype);
+  int (*query_tile)(const PrefillDims& dm);
+  int64_t (*scratch_floats)(const PrefillDims& dm);
+  int (*key_blocks)(const PrefillDims& dm);
+  void (*stage)(const PrefillDims& dm, Dtype dtype, const void* k_pool, const void* v_pool, const int32_t* table,
+                void* staged, int g, int b_begin, int b_end);
+  void (*task)(const PrefillDims& dm, Dtype dtype, const float* q, const int32_t* table, const void* staged,
+               float* out, float* scratch, int g, int q_begin, int q_end);
+};
+
 struct KernelTable {
   const char* isa;
   // paged decode attention: keys [key_begin, key_end) of one sequence, all its heads (attention_kernel.h);
@@ -173,6 +188,8 @@ struct KernelTable {
   void (*block_maxima)(const float* x, int64_t V, int64_t block, float* out);
   int64_t (*gather_at_least)(const float* x, int64_t V, float bound, int32_t* out);
   int64_t (*gather_bucket)(const uint16_t* bucket, int64_t V, int b, int32_t* out);
+  // the staged prefill attention, nullptr where the set has none (then prefill_task runs)
+  const PrefillStaged* prefill_staged = nullptr;
 };
 
 const KernelTable* kernel_table_scalar();
@@ -180,6 +197,7 @@ const KernelTable* kernel_table_scalar();
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
 const KernelTable* kernel_table_avx512_amx();  // avx512 with AMX int8 tiles for qmm_panels (qmm_amx.cpp)
+const KernelTable* kernel_table_avx512_amx_attention();  // and AMX-BF16 prefill attention (prefill_amx.cpp)
 #endif
 #if defined(__aarch64__)
 const KernelTable* kernel_table_neon();          // armv8-a: the quantized matmul on vmull_s8 (qmm_neon.h)

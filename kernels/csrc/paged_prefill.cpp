@@ -1,10 +1,13 @@
-// The PagedPrefill primitive: graph construction, input checks and the CPU dispatch of prefill_kernel.h.
-// Tasks (query tile, kv head), the tiles with the most keys first, are spread over the kernel thread
-// pool. Block ids outside the pool give NaN rows, never an out-of-bounds read (the Python side checks
-// them first and raises).
+// The PagedPrefill primitive: graph construction, input checks and the CPU dispatch of prefill_kernel.h,
+// or of the kernel set's staged kernel where it has one (prefill_amx.cpp: K/V converted once per chunk,
+// then attended on AMX tiles; kernel_table.h PrefillStaged). Tasks (query tile, kv head), the tiles with
+// the most keys first, are spread over the kernel thread pool. Block ids outside the pool give NaN rows,
+// never an out-of-bounds read (the Python side checks them first and raises).
 #include "paged_prefill.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -18,6 +21,10 @@
 #include "mlx/utils.h"
 #include "parallel.h"
 #include "row_major.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace metrale {
 
@@ -37,14 +44,83 @@ std::string shape_of(const mx::array& a) {
 // head_dim 64; at 128, 32 queries lost ~10% (benchmarks/prefill_attention_bench.py).
 int query_tile(int head_dim) { return head_dim <= 64 ? kPrefillQueries : kPrefillQueries / 2; }
 
+int parallel_width(const PrefillDims& dm, int n_tasks) {
+  const int64_t keys = static_cast<int64_t>(dm.first_position) + dm.q_len;
+  const int64_t work = static_cast<int64_t>(dm.q_len) * (dm.window > 0 ? std::min<int64_t>(keys, dm.window) : keys) * dm.n_heads;
+  return work < kMinParallelWork ? 1 : std::min(num_threads(), n_tasks);
+}
+
+// The staged kernel (kernel_table.h PrefillStaged): the chunk's K/V converted once per (kv head, key block),
+// then tasks (kv head, query tile), a kv head's tiles consecutive (its staged keys stay in cache), the
+// longest first. Both buffers are allocated here, so the tasks never allocate.
+// The staged K/V of the chunks this thread runs, kept between calls up to kKeepBytes: a fresh buffer costs a
+// page fault per 4 KiB page (measured ~5 ms of a 50 ms 4k-context call of the 1B shape); 2 MiB aligned and
+// advised to huge pages (fewer TLB misses: every task walks the whole context).
+class StagingBuffer {
+ public:
+  static constexpr int64_t kKeepBytes = int64_t{256} << 20;
+  static constexpr size_t kAlign = size_t{2} << 20;
+  ~StagingBuffer() { std::free(data_); }
+  void* get(int64_t bytes) {
+    if (bytes > capacity_) {
+      std::free(data_);
+      data_ = nullptr;
+      capacity_ = 0;
+      const size_t size = (static_cast<size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
+      data_ = std::aligned_alloc(kAlign, size);
+      if (data_ == nullptr) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+      madvise(data_, size, MADV_HUGEPAGE);  // advice only: without huge pages it still works
+#endif
+      capacity_ = static_cast<int64_t>(size);
+    }
+    return data_;
+  }
+  void trim() {  // after a call: a buffer beyond kKeepBytes is not kept
+    if (capacity_ > kKeepBytes) {
+      std::free(data_);
+      data_ = nullptr;
+      capacity_ = 0;
+    }
+  }
+
+ private:
+  void* data_ = nullptr;
+  int64_t capacity_ = 0;
+};
+
+void run_staged(const PrefillStaged& st, int64_t bytes, const PrefillDims dm, Dtype dtype, const float* q,
+                const void* kp, const void* vp, const int32_t* table, float* out) {
+  static thread_local StagingBuffer buffer;
+  void* staged = buffer.get(bytes);
+  constexpr int kStageBlocks = 8;  // key blocks per staging task
+  const int blocks = st.key_blocks(dm), parts = (blocks + kStageBlocks - 1) / kStageBlocks;
+  parallel_for(dm.n_kv * parts, parallel_width(dm, dm.n_kv * parts), [&](int task, int) {
+    const int g = task / parts, b0 = task % parts * kStageBlocks;
+    st.stage(dm, dtype, kp, vp, table, staged, g, b0, std::min(blocks, b0 + kStageBlocks));
+  });
+  const int tile_q = st.query_tile(dm), tiles = (dm.q_len + tile_q - 1) / tile_q, n_tasks = tiles * dm.n_kv;
+  const int width = parallel_width(dm, n_tasks);
+  const int64_t per_thread = st.scratch_floats(dm);
+  std::vector<float> scratch(per_thread * width);
+  parallel_for(n_tasks, width, [&](int task, int me) {
+    const int g = task / tiles, tile = tiles - 1 - task % tiles;
+    const int q_begin = tile * tile_q, q_end = std::min(dm.q_len, q_begin + tile_q);
+    st.task(dm, dtype, q, table, staged, out, scratch.data() + me * per_thread, g, q_begin, q_end);
+  });
+  buffer.trim();
+}
+
 void run_prefill(const PrefillDims dm, Dtype dtype, const float* q, const void* kp, const void* vp,
                  const int32_t* table, float* out) {
   const auto& kernels = cpu_kernels();
+  if (kernels.prefill_staged != nullptr) {
+    const int64_t bytes = kernels.prefill_staged->staged_bytes(dm, dtype);
+    if (bytes > 0) return run_staged(*kernels.prefill_staged, bytes, dm, dtype, q, kp, vp, table, out);
+  }
   const int tile_q = query_tile(dm.head_dim);
   const int tiles = (dm.q_len + tile_q - 1) / tile_q, n_tasks = tiles * dm.n_kv;
-  const int64_t keys = static_cast<int64_t>(dm.first_position) + dm.q_len;
-  const int64_t work = static_cast<int64_t>(dm.q_len) * (dm.window > 0 ? std::min<int64_t>(keys, dm.window) : keys) * dm.n_heads;
-  const int width = work < kMinParallelWork ? 1 : std::min(num_threads(), n_tasks);
+  const int width = parallel_width(dm, n_tasks);
   const int rows = tile_q * (dm.n_heads / dm.n_kv);
   const int64_t per_thread = prefill_scratch_floats(rows, dm.head_dim);
   std::vector<float> scratch(per_thread * width);  // allocated here, so the tasks never allocate
