@@ -170,6 +170,12 @@ inline int64_t staged_bytes(const PrefillDims& dm, Dtype dtype) {
   // q8 pools: int8 x float16 scale needs 19 bits, two bf16 keep ~17: with an outlier channel (as real keys
   // have) the scores' error broke test_kv_int8's bound (rtol 2e-5) by up to 17x; the avx512 kernel stays
   if (dtype == Dtype::q8) return 0;
+  // float32 pools: the caller asked for 32-bit keys and values; hi + lo keeps 16 of their 24 bits and the
+  // logits moved 10-20x further from float64 than with the avx512 kernel (tests/metrale/models/
+  // test_architectures.py, gemma3: 4e-4 against 3e-5 at logits of ~18). The 16-bit pools (float16, the CPU
+  // default, and bfloat16) split into hi + lo exactly, so only the queries' and probabilities' 16 bits remain,
+  // ~16x under the pool's own float16 rounding.
+  if (dtype == Dtype::float32) return 0;
   const Layout L = layout(dm, dtype);
   const int64_t bytes = 2 * L.block_elems * L.blocks * dm.n_kv;
   return bytes <= kMaxStagedBytes ? bytes : 0;

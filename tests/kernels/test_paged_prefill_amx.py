@@ -2,8 +2,8 @@
 float64 dense attention over the values the pool holds, and against the avx512 set's float32 kernel, on the
 tile edges: head_dim 8..256 (K tiles of 32 d, V^T tiles of 16), GQA 1..8, chunks of 16..600 queries (row
 tiles of 16) at first_position 0 and mid-block, key blocks of 64 crossed at odd lengths, block sizes 1..32,
-windows, float32 / float16 / bfloat16 pools. Chunks under 16 queries and int8 (q8) pools take the avx512
-kernel (bit-identical). Skipped where this CPU or Linux does not run the avx512_amx set."""
+windows, float16 / bfloat16 pools. Chunks under 16 queries, float32 pools and int8 (q8) pools take the
+avx512 kernel (bit-identical). Skipped where this CPU or Linux does not run the avx512_amx set."""
 
 from __future__ import annotations
 
@@ -116,20 +116,22 @@ def test_block_sizes_and_windows(block_size, window):
 
 
 @needs_amx
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("window", [0, 33])
 def test_pool_dtypes(dtype, window):
-    """float32 (K, V split to ~2^-17), float16 (split exactly) and bfloat16 (hi only)."""
+    """float16 (split into hi + lo exactly) and bfloat16 (hi only)."""
     rng = np.random.default_rng(7 if window else 8)
     check(Case(rng, n_heads=8, n_kv=2, head_dim=128, q_len=100, first=211, block_size=16, dtype=dtype), window)
 
 
 @needs_amx
+@pytest.mark.parametrize("dtype", [mx.int8, mx.float32])
 @pytest.mark.parametrize("window", [0, 33])
-def test_int8_pools_take_the_avx512_kernel(window):
-    """q8 values need 19 bits, two bf16 keep ~17 (test_kv_int8's tighter bound failed): avx512's kernel runs."""
+def test_int8_and_float32_pools_take_the_avx512_kernel(dtype, window):
+    """q8 values need 19 bits and float32 ones 24; hi + lo bf16 keep ~17 (test_kv_int8's bound failed, and
+    float32 pools' logits moved 10-20x further from float64 in test_architectures): avx512's kernel runs."""
     rng = np.random.default_rng(9)
-    case = Case(rng, n_heads=8, n_kv=2, head_dim=128, q_len=100, first=211, block_size=16, dtype=mx.int8)
+    case = Case(rng, n_heads=8, n_kv=2, head_dim=128, q_len=100, first=211, block_size=16, dtype=dtype)
     assert np.array_equal(case.run("avx512_amx", window), case.run("avx512", window))
 
 
@@ -146,7 +148,7 @@ def test_chunks_under_16_queries_take_the_avx512_kernel(q_len):
 def test_chunks_of_16_queries_take_the_tile_kernel():
     """From 16 queries the bf16 tile products run: not bit-identical to the float32 kernel, within the bound."""
     rng = np.random.default_rng(16)
-    case = Case(rng, n_heads=8, n_kv=2, head_dim=64, q_len=16, first=300, block_size=16, dtype=mx.float32)
+    case = Case(rng, n_heads=8, n_kv=2, head_dim=64, q_len=16, first=300, block_size=16, dtype=mx.float16)
     amx = case.run("avx512_amx")
     assert not np.array_equal(amx, case.run("avx512"))
     np.testing.assert_allclose(amx, case.want(), rtol=RTOL, atol=ATOL)
@@ -156,7 +158,7 @@ def test_chunks_of_16_queries_take_the_tile_kernel():
 def test_only_rows_that_see_a_bad_block_id_are_nan():
     """Keys behind a block id outside the pool are staged as zeros, so exactly the rows that would read
     them are NaN (the avx512 kernel marks its whole 32-query tile)."""
-    pool = mx.ones((64, 1, 8))  # 4 blocks of 16
+    pool = mx.ones((64, 1, 8), dtype=mx.float16)  # 4 blocks of 16
     out = on("avx512_amx", lambda: np.array(ext.paged_prefill(
         mx.ones((64, 1, 8)), pool, pool, mx.array([0, 1, 9, 2], dtype=mx.int32), first_position=0, scale=1.0,
         block_size=16, window=0)))  # (64, 1, 8): positions 32.. see block 2 (id 9)
