@@ -15,6 +15,7 @@ import pytest
 
 from kernels import ext
 from kvcache import quantized
+from tests.kernels.isa_helpers import evaluated_on as on
 from tests.kernels.test_kv_int8 import dequantize_np, quantize_np
 from tests.kvcache.test_attention import dense_attention
 
@@ -22,14 +23,6 @@ needs_amx = pytest.mark.skipif(ext.load() is None or "avx512_amx" not in ext.sup
                                reason="the avx512_amx kernel set does not run here (no AMX, or Linux refused the tile state)")
 
 RTOL, ATOL = 1e-4, 2e-5  # the existing prefill tests' bound against float64 (test_paged_prefill*.py)
-
-
-def on(isa: str, fn):
-    ext.set_cpu_isa(isa)
-    try:
-        return fn()
-    finally:
-        ext.set_cpu_isa("auto")
 
 
 class Case:

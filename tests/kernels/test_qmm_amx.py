@@ -12,18 +12,11 @@ import pytest
 
 from kernels import ext as _ext
 from kernels import qmm
+from tests.kernels.isa_helpers import evaluated_on as on
 from tests.kernels.test_quantized_matmul import emulate, random_weight, run
 
 needs_amx = pytest.mark.skipif(_ext.load() is None or "avx512_amx" not in _ext.supported_isas(),
                                reason="no AMX-INT8 on this CPU (or the kernel refused the tile state)")
-
-
-def on(isa, fn):
-    _ext.set_cpu_isa(isa)
-    try:
-        return fn()
-    finally:
-        _ext.set_cpu_isa("auto")
 
 
 @needs_amx

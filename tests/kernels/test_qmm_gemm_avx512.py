@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kernels import ext, qmm
+from tests.kernels.isa_helpers import evaluated_on
 from tests.kernels.test_quantized_matmul import emulate, random_weight, run
 
 ISAS = ext.supported_isas() if ext.load() is not None else []
@@ -31,13 +32,7 @@ def in_small_calls(x, packed, bits, gs, columns, **kw):
 
 
 def outputs_on(isa, *args, **kw):
-    ext.set_cpu_isa(isa)
-    try:
-        big, small = run(*args, **kw), in_small_calls(*args, **kw)
-        mx.eval(big, small)  # MLX is lazy: evaluate while this set is the one chosen
-        return big, small
-    finally:
-        ext.set_cpu_isa("auto")
+    return evaluated_on(isa, lambda: (run(*args, **kw), in_small_calls(*args, **kw)))
 
 
 def assert_same_bits(got, want, what):
@@ -91,11 +86,7 @@ def test_prompt_chunk_matches_the_emulation(activation_bits):
     rng = np.random.default_rng(5)
     triple, w, q = random_weight(rng, 48, 2048, 4, 32)
     x = rng.standard_normal((512, 2048)).astype(np.float32)
-    ext.set_cpu_isa("avx512")
-    try:
-        (out,) = run(x, qmm.pack(*triple, 4, 32), 4, 32, [48], activation_bits=activation_bits)
-        mx.eval(out)
-    finally:
-        ext.set_cpu_isa("auto")
+    (out,) = evaluated_on("avx512", lambda: run(x, qmm.pack(*triple, 4, 32), 4, 32, [48],
+                                                activation_bits=activation_bits))
     emu = emulate(x, q, np.array(triple[1]), np.array(triple[2]), 32, activation_bits)
     assert np.all(np.abs(np.array(out) - emu) <= 1e-6 * (np.abs(x) @ np.abs(w).T) + 1e-6)
