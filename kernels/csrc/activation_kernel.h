@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernel_table.h"
 #include "vecmath.h"
@@ -50,6 +51,32 @@ void gated_dtype(Dtype dtype, const void* gate, const void* up, void* out, int64
   } else {
     gated_range(static_cast<const bf16_t*>(gate), static_cast<const bf16_t*>(up), static_cast<bf16_t*>(out), begin,
                 end, Op{});
+  }
+}
+
+// n float32 values written as dtype (float32, float16 or bfloat16), rounded to nearest even as store8 (mlx's
+// astype bits): float32 K/V rows into a 16-bit pool (kv_write.cpp) without an AsType node per layer.
+inline void store_floats(const float* src, Dtype dtype, void* dst, int64_t n) {
+  if (dtype == Dtype::float32) {
+    for (int64_t i = 0; i < n; ++i) static_cast<float*>(dst)[i] = src[i];
+    return;
+  }
+  auto run = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    int64_t i = 0;
+    for (; i + kW <= n; i += kW) store8(out + i, load8(src + i));
+    if (i < n) {  // the tail, through a padded vector
+      float x[kW] = {};
+      T o[kW];
+      for (int64_t j = i; j < n; ++j) x[j - i] = src[j];
+      store8(o, load8(x));
+      for (int64_t j = i; j < n; ++j) out[j] = o[j - i];
+    }
+  };
+  if (dtype == Dtype::float16) {
+    run(static_cast<f16_t*>(dst));
+  } else {
+    run(static_cast<bf16_t*>(dst));
   }
 }
 

@@ -188,6 +188,8 @@ struct KernelTable {
   void (*block_maxima)(const float* x, int64_t V, int64_t block, float* out);
   int64_t (*gather_at_least)(const float* x, int64_t V, float bound, int32_t* out);
   int64_t (*gather_bucket)(const uint16_t* bucket, int64_t V, int b, int32_t* out);
+  // n float32 values written as dtype (not q8), rounded to nearest even as mlx's astype (activation_kernel.h)
+  void (*store_floats)(const float* src, Dtype dtype, void* dst, int64_t n);
   // the staged prefill attention, nullptr where the set has none (then prefill_task runs)
   const PrefillStaged* prefill_staged = nullptr;
 };

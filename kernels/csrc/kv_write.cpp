@@ -1,5 +1,6 @@
-// The KvWrite primitive: a pool updated in place (its donated buffer), one memcpy per new row, or
-// one quantized row per (token, kv head) for q8 pools.
+// The KvWrite primitive: a pool updated in place (its donated buffer), one memcpy per new row, float32 rows
+// rounded into a float16 / bfloat16 pool as they are written (no AsType node before it), or one quantized
+// row per (token, kv head) for q8 pools.
 #include "kv_write.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/types/half_types.h"
+#include "isa.h"
 #include "row_major.h"
 
 namespace metrale {
@@ -62,11 +64,13 @@ mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array
   const bool q8 = pool.dtype() == mx::int8;
   const bool shapes = pool.ndim() == 3 && rows.ndim() == 3 && rows.shape(1) == pool.shape(1) && slots.ndim() == 1 &&
                       slots.shape(0) == rows.shape(0) && slots.dtype() == mx::int32;
+  const bool rounds = (pool.dtype() == mx::float16 || pool.dtype() == mx::bfloat16) && rows.dtype() == mx::float32;
   const bool ok = shapes && (q8 ? rows.dtype() == mx::float32 && q8_group(rows.shape(2), pool.shape(2)) > 0
-                                : rows.shape(2) == pool.shape(2) && rows.dtype() == pool.dtype());
+                                : rows.shape(2) == pool.shape(2) && (rows.dtype() == pool.dtype() || rounds));
   if (!ok)
-    throw std::invalid_argument("kv_write: pool (S, H, D), rows (T, H, D) of the pool's dtype and slots (T,) int32 "
-                                "(an int8 q8 pool: (S, H, D + 2 D / group), float32 rows (T, H, D)), got " +
+    throw std::invalid_argument("kv_write: pool (S, H, D), rows (T, H, D) of the pool's dtype (or float32 into a "
+                                "float16 / bfloat16 pool) and slots (T,) int32 (an int8 q8 pool: "
+                                "(S, H, D + 2 D / group), float32 rows (T, H, D)), got " +
                                 describe(pool) + ", " + describe(rows) + ", " + describe(slots));
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(s), {pool, rows, slots});
@@ -88,10 +92,13 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int64_t row_bytes = static_cast<int64_t>(pool.shape(1)) * pool.shape(2) * pool.itemsize();
   const int heads = pool.shape(1), hd = inputs[1].shape(2), kv_row = pool.shape(2);
   const int group = pool.dtype() == mx::int8 ? q8_group(hd, kv_row) : 0;
+  // float32 rows into a 16-bit pool: each row rounded as it is written
+  const bool rounds = group == 0 && inputs[1].dtype() != pool.dtype();
+  const Dtype pool_dtype = pool.dtype() == mx::float16 ? Dtype::float16 : Dtype::bfloat16;
   encoder.dispatch([=, o = out.data<char>(), pool_bytes = static_cast<size_t>(out.nbytes())] {
     if (copy) std::memcpy(o, old.data<char>(), pool_bytes);
     const int32_t* sp = sin_.data<int32_t>();
-    const char* r = rin.data<char>();  // (T, H, D) of the pool's dtype, or float32 for q8
+    const char* r = rin.data<char>();  // (T, H, D) of the pool's dtype, or float32 (q8 and rounded rows)
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t slot = sp[t];
       if (slot < 0 || slot >= num_slots) continue;
@@ -99,6 +106,9 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
         const float* x = reinterpret_cast<const float*>(r) + t * heads * hd;
         for (int h = 0; h < heads; ++h)
           quantize_q8_row(x + h * hd, hd, group, reinterpret_cast<int8_t*>(o + slot * row_bytes) + h * kv_row);
+      } else if (rounds) {
+        const float* x = reinterpret_cast<const float*>(r) + t * heads * hd;
+        cpu_kernels().store_floats(x, pool_dtype, o + slot * row_bytes, static_cast<int64_t>(heads) * hd);
       } else {
         std::memcpy(o + slot * row_bytes, r + t * row_bytes, row_bytes);
       }

@@ -20,8 +20,8 @@ namespace mx = mlx::core;
 // head_dim + 2 * head_dim / group with group a multiple of 8 dividing head_dim; 0 if no group fits.
 int q8_group(int head_dim, int row_bytes);
 
-// pool (num_slots, n_kv, hd) float32|float16|bfloat16 with rows (T, n_kv, hd) of the pool's dtype, or
-// pool (num_slots, n_kv, hd + 2 * hd / group) int8 (q8) with rows (T, n_kv, hd) float32; slots (T,)
+// pool (num_slots, n_kv, hd) float32|float16|bfloat16 with rows (T, n_kv, hd) of the pool's dtype (or float32
+// rows into a float16 / bfloat16 pool, rounded to nearest even as mlx's astype), or pool (num_slots, n_kv, hd + 2 * hd / group) int8 (q8) with rows (T, n_kv, hd) float32; slots (T,)
 // int32. Returns the updated pool: the input pool's buffer when nothing else holds it (the usual case,
 // no copy), else a copy. Slots outside the pool are skipped (callers check them).
 mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array& slots);
