@@ -154,15 +154,16 @@ class PagedKVCache:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         # Rebinding the list's arrays to the write's outputs leaves the old pools held only by the
         # graph, so the write reuses their buffers (no pool copy, see module docstring).
+        kernel_writes = self._kv_write is not None and slot_mapping.dtype == mx.int32
         if self.dtype == mx.int8:
             keys, values = keys.astype(mx.float32), values.astype(mx.float32)  # the kernel quantizes float32 rows
-            if self._kv_write is None or slot_mapping.dtype != mx.int32:
+            if not kernel_writes:
                 keys, values = quantized.quantize(keys), quantized.quantize(values)  # (T, n_kv_heads, row_width)
-        elif self._kv_write is None or slot_mapping.dtype != mx.int32 or {keys.dtype, values.dtype} != {mx.float32}:
+        elif not (kernel_writes and keys.dtype == values.dtype == mx.float32):
             keys, values = keys.astype(self.dtype), values.astype(self.dtype)
-        # (else float32 rows into any pool: kv_write rounds them into a 16-bit pool as it writes, bit for bit
-        # astype's result, without an AsType node per pool and layer: 60 of the default model's 492 per step)
-        if self._kv_write is not None and slot_mapping.dtype == mx.int32:
+        # (float32 rows the kernel writes are rounded into a 16-bit pool as it writes, bit for bit astype's
+        # result, without an AsType node per pool and layer: 60 of the default model's 492 per step)
+        if kernel_writes:
             self._keys[layer] = self._kv_write(self._keys[layer], keys, slot_mapping)
             self._values[layer] = self._kv_write(self._values[layer], values, slot_mapping)
         else:

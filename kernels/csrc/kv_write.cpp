@@ -96,6 +96,7 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const bool rounds = group == 0 && inputs[1].dtype() != pool.dtype();
   const Dtype pool_dtype = pool.dtype() == mx::float16 ? Dtype::float16 : Dtype::bfloat16;
   encoder.dispatch([=, o = out.data<char>(), pool_bytes = static_cast<size_t>(out.nbytes())] {
+    const auto& kernels = cpu_kernels();
     if (copy) std::memcpy(o, old.data<char>(), pool_bytes);
     const int32_t* sp = sin_.data<int32_t>();
     const char* r = rin.data<char>();  // (T, H, D) of the pool's dtype, or float32 (q8 and rounded rows)
@@ -108,7 +109,7 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
           quantize_q8_row(x + h * hd, hd, group, reinterpret_cast<int8_t*>(o + slot * row_bytes) + h * kv_row);
       } else if (rounds) {
         const float* x = reinterpret_cast<const float*>(r) + t * heads * hd;
-        cpu_kernels().store_floats(x, pool_dtype, o + slot * row_bytes, static_cast<int64_t>(heads) * hd);
+        kernels.store_floats(x, pool_dtype, o + slot * row_bytes, static_cast<int64_t>(heads) * hd);
       } else {
         std::memcpy(o + slot * row_bytes, r + t * row_bytes, row_bytes);
       }
