@@ -86,7 +86,9 @@ def test_models_load_on_demand_unload_and_fail_alone(models):
             assert answer.done
             wait_until(lambda: tiny_pid not in engine_pids(server), 60, "the unloaded model's engine process exit")
             assert [m.model for m in client.ps().models] == ["smol"]
-        assert _json(server.get("/v1/models/tiny"))["status"] == "unloaded"
+        # the engine process exits before the manager finishes the unload: on a busy machine the card can
+        # still say "unloading" for a moment after the exit
+        wait_until(lambda: _json(server.get("/v1/models/tiny"))["status"] == "unloaded", 60, "tiny's card unloaded")
         assert complete(server, "tiny")[0] == 200  # loaded again, in a new engine process
         assert len(engine_pids(server)) == 2 and tiny_pid not in engine_pids(server)
 
