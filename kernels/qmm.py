@@ -116,10 +116,15 @@ def unpack(q: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.arr
 
 
 # Token rows from which float32 BLAS on weights dequantized per call beats the kernels, per kernel set
-# (benchmarks/qmm_bench.py --clock cpu, one core, int16 activations, on a Zen 4 whose OpenBLAS uses
-# AVX-512): avx512 never (1.15x BLAS at 512 rows); avx2 0.90x at 24 rows, 1.7x at 8; scalar 0.62x at
-# 2 rows. A CPU without AVX-512 also runs a slower BLAS, so the avx2 figure is conservative.
-BLAS_CROSSOVER = {"avx512": None, "avx2": 16, "scalar": 2}
+# (one call, 2 threads, random 4-bit group-32 weights, int12 activations, OpenBLAS preloaded). avx512:
+# never (1.15x the kernel's time at 512 rows, Zen 4). avx2: never, measured on an AVX2-only Zen 3 (EPYC,
+# OpenBLAS's Haswell kernels): BLAS takes 13x the kernel's time at 16 rows (2048x2048: 17.6 vs 1.3 ms),
+# 2.4x at 128, 0.96-1.4x at 512 on the 1B shapes, and 5.4x / 1.7x / 1.0x at 16 / 128 / 512 rows of the
+# 135M ones (benchmarks/blas_crossover_bench.py). An earlier crossover at 16 was
+# measured on a Zen 4 whose BLAS used AVX-512, against the avx2 kernels forced there; on an AVX2 CPU it
+# made prompts 2-10x slower and broke batch invariance (a row's value depended on its call's size).
+# scalar: 0.62x at 2 rows.
+BLAS_CROSSOVER = {"avx512": None, "avx2": None, "scalar": 2}
 
 
 def blas_crossover() -> int | None:
