@@ -258,8 +258,8 @@ inline __m256 load8v(const void* base, int64_t index, int h) {
   }
 }
 
-// Several tokens (tile_tokens): 8 rows (one half of a panel) x 4 k per ymm. Returns the int32 row sums of one block of 32 k
-// against the int8 activations x32 (4 per int32): 4 bits accumulate the int16 pair sums of all 8
+// Several tokens (tile_tokens): 8 rows (one half of a panel) x 4 k per ymm. Returns the int32 row
+// sums of one block of 32 k against the int8 activations x32 (4 per int32): 4 bits accumulate the int16 pair sums of all 8
 // chunks (8 x 2 x 15 x 127 < 2^15) before widening; 8 bits widen every chunk (|q - 128| x |x| x 2
 // <= 32512 fits, two would not) and return sum (q - 128) x (the caller adds 128 sum x).
 template <int BITS>
