@@ -258,95 +258,29 @@ inline __m256 load8v(const void* base, int64_t index, int h) {
   }
 }
 
-// Several tokens (tile_tokens): 8 rows (one half of a panel) x 4 k per ymm. Returns the int32 row
-// sums of one block of 32 k against the int8 activations x32 (4 per int32): 4 bits accumulate the int16 pair sums of all 8
-// chunks (8 x 2 x 15 x 127 < 2^15) before widening; 8 bits widen every chunk (|q - 128| x |x| x 2
-// <= 32512 fits, two would not) and return sum (q - 128) x (the caller adds 128 sum x).
-template <int BITS>
-inline __m256i block_dot(const uint8_t* wq, int half, const int32_t* x32) {
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256i s16 = _mm256_setzero_si256();
-    for (int o = 0; o < 4; ++o) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + half * 32));
-      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x32[2 * o])));
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x32[2 * o + 1])));
-    }
-    return _mm256_madd_epi16(s16, ones16);
-  } else {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    __m256i s32 = _mm256_setzero_si256();
-    for (int o = 0; o < 8; ++o) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + half * 32));
-      const __m256i ws = _mm256_xor_si256(v, flip);  // q - 128 as int8
-      const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x32[o]), ws);
-      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), sx), ones16));
-    }
-    return s32;
-  }
+// v, opaque to the optimizer: keeps a running integer sum a chain in one register. Without it GCC
+// reassociates the unrolled adds into a tree whose leaves (every maddubs product of a block) spill.
+inline __m256i in_order(__m256i v) {
+  __asm__("" : "+x"(v));
+  return v;
 }
 
-template <int TT, int BITS, bool F16S, int ACT>
-void tile_tokens(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
-  const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
-  const uint8_t* wq = w.q + p * panel_bytes(w);
-  constexpr bool WIDE = act_two_planes(ACT);
-  const int block_bytes = kActBlock * R * BITS / 8;
-  __m256 acc[TT][2];
-  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  for (int g = 0; g < groups; ++g) {
-    alignas(32) float s16[R], m16[R];
-    prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-    prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-    load16<F16S>(w.scales, p * groups + g, s16);
-    load16<F16S>(w.biases, p * groups + g, m16);
-    for (int bb = 0; bb < per_group; ++bb, wq += block_bytes) {
-      const int blk = g * per_group + bb;
-      for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
-      for (int t = 0; t < TT; ++t) {
-        const int64_t row = t0 + t;
-        const int32_t* xh = reinterpret_cast<const int32_t*>(a.xq + act_at(row, blk, K, ACT));
-        const __m256 d = _mm256_set1_ps(a.xd[row * blocks + blk]);
-        for (int h = 0; h < 2; ++h) {
-          __m256i ia = block_dot<BITS>(wq, h, xh);
-          if constexpr (WIDE) {
-            const __m256i il = block_dot<BITS>(wq, h, xh + kActBlock / 4);  // the lo plane
-            ia = ACT == 12 ? _mm256_add_epi32(_mm256_slli_epi32(ia, 4), il)
-                           : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), il);
-          }
-          if constexpr (BITS == 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(128 * a.xisum[row * blocks + blk]));
-          const __m256 sd = _mm256_mul_ps(_mm256_load_ps(s16 + 8 * h), d);
-          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, acc[t][h]);
-        }
-      }
-    }
-    for (int t = 0; t < TT; ++t) {
-      const __m256 xs = _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]);
-      for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(_mm256_load_ps(m16 + 8 * h), xs, acc[t][h]);
-    }
-  }
-  for (int t = 0; t < TT; ++t) {
-    _mm256_storeu_ps(acc_out[t], acc[t][0]);
-    _mm256_storeu_ps(acc_out[t] + 8, acc[t][1]);
-  }
-}
-
-// One token (tile_one, the decode of one stream): one half of a panel (8 rows, 4 k per 32-bit lane of a
-// ymm) at a time, each unpacked weight vector meeting the token's activation words of both planes and
-// dropped, the broadcasts loads from memory: no spills (the several-token tile's code at one token
-// spilled its 16 broadcasts; 2 threads, 1B shapes, T = 1: 15-16 -> 18-23 GB/s, benchmarks/qmm_roofline.py).
-// Several tokens keep tile_tokens: this loop order there spills its 8 sums (T = 32: 90 -> 56 GFLOP/s).
+// One half of a panel (8 rows, 4 k per 32-bit lane of a ymm) at a time, each unpacked weight vector
+// meeting every token's activation words (both planes; broadcast straight from memory) and dropped,
+// the running sums kept chains (in_order): the loop holds TT x planes sums and no spills.
 //   4 bits: the int16 pair sums of all 8 chunks of a block accumulate before one widening
 //           (8 x 2 x 15 x 127 < 2^15);
 //   8 bits: (q - 128) x x with the sign trick, widened every chunk (|q - 128| x |x| x 2 <= 32512 fits,
 //           two would not); the block sum then gets 128 sum(x) back (xisum).
+// The earlier tile (a block_dot per token and half) re-unpacked the weights per token and, compiled for
+// one token, spilled its 16 broadcasts; GCC also turned the unrolled adds into trees whose leaves spilled.
+// On an AVX2-only Zen 3, 2 threads, 8192x2048 int12, the two builds alternating 6 times: 66-94 -> 76-147
+// GFLOP/s at 4-64 tokens; 1B shapes at one token 14.5-18.6 -> 16.8-20.4 GB/s (docs/quantized-kernels.md).
 // Two-plane activations (int12, int16) keep a sum per plane and combine them per block. The float
 // accumulators live in acc_out (L1): acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
 template <int TT, int BITS, bool F16S, int ACT>
-void tile_one(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
+void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   constexpr bool WIDE = act_two_planes(ACT);
   constexpr int planes = WIDE ? 2 : 1;
@@ -381,9 +315,9 @@ void tile_one(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, floa
             const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             for (int t = 0; t < TT; ++t) {
               for (int l = 0; l < planes; ++l) {
-                sum[t][l] = _mm256_add_epi16(sum[t][l], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[t][l][2 * o])));
-                sum[t][l] = _mm256_add_epi16(sum[t][l],
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[t][l][2 * o + 1])));
+                const __m256i xlo = _mm256_set1_epi32(x[t][l][2 * o]), xhi = _mm256_set1_epi32(x[t][l][2 * o + 1]);
+                sum[t][l] = in_order(_mm256_add_epi16(sum[t][l], _mm256_maddubs_epi16(lo, xlo)));
+                sum[t][l] = in_order(_mm256_add_epi16(sum[t][l], _mm256_maddubs_epi16(hi, xhi)));
               }
             }
           }
@@ -395,7 +329,8 @@ void tile_one(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, floa
             for (int t = 0; t < TT; ++t) {
               for (int l = 0; l < planes; ++l) {
                 const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x[t][l][o]), ws);
-                sum[t][l] = _mm256_add_epi32(sum[t][l], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, sx), ones16));
+                const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, sx), ones16);
+                sum[t][l] = in_order(_mm256_add_epi32(sum[t][l], products));
               }
             }
           }
@@ -423,15 +358,6 @@ void tile_one(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, floa
         _mm256_storeu_ps(acc, _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]), _mm256_loadu_ps(acc)));
       }
     }
-  }
-}
-
-template <int TT, int BITS, bool F16S, int ACT>
-void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
-  if constexpr (TT == 1) {
-    tile_one<TT, BITS, F16S, ACT>(w, a, p, t0, acc_out);
-  } else {
-    tile_tokens<TT, BITS, F16S, ACT>(w, a, p, t0, acc_out);
   }
 }
 
