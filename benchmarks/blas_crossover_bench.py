@@ -5,7 +5,7 @@ measurement behind kernels/qmm.py BLAS_CROSSOVER.
     .venv/bin/python benchmarks/blas_crossover_bench.py --shapes 1b --tokens 16 512 --repeat 7
 
 For each matrix (random 4-bit group-32 weights, packed as the loader packs them) and T token rows, the
-median wall time of one evaluated call, in ms, of:
+median wall time of one evaluated call (after one warm-up), in ms, of:
   k12, k8   ext.quantized_matmul with int12 (the default) or int8 activations, the running kernel set
   blas      kernels.qmm.dequantized_matmul: unpack the packed weight to float32, then x @ W.T (OpenBLAS)
 and blas / k12, the factor a crossover at T would cost (> 1: the kernels are faster).
@@ -14,11 +14,12 @@ and blas / k12, the factor a crossover at T would cost (> 1: the kernels are fas
 from __future__ import annotations
 
 import argparse
-import time
 
 import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
+
+from qmm_bench import timed
 
 from kernels import ext
 from kernels.qmm import QuantizedLinearCPU, dequantized_matmul
@@ -30,12 +31,8 @@ SHAPES = {  # (N, K) of each distinct matrix
 
 
 def median_ms(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    """The median wall ms of evaluating fn()'s outputs, after one warm-up call (qmm_bench.timed)."""
+    return timed(lambda: mx.eval(fn()), repeat)[0]
 
 
 def main() -> None:

@@ -115,14 +115,12 @@ def unpack(q: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.arr
     return (ints * s + b).reshape(panels * PANEL, k)  # (P * 16, K)
 
 
-# Token rows from which float32 BLAS on weights dequantized per call beats the kernels, per kernel set
-# (one call, 2 threads, random 4-bit group-32 weights, int12 activations, OpenBLAS preloaded). avx512:
-# never (1.15x the kernel's time at 512 rows, Zen 4). avx2: never, measured on an AVX2-only Zen 3 (EPYC,
-# OpenBLAS's Haswell kernels): BLAS takes 13x the kernel's time at 16 rows (2048x2048: 17.6 vs 1.3 ms),
-# 2.4x at 128, 0.96-1.4x at 512 on the 1B shapes, and 5.4x / 1.7x / 1.0x at 16 / 128 / 512 rows of the
-# 135M ones (benchmarks/blas_crossover_bench.py). An earlier crossover at 16 was
-# measured on a Zen 4 whose BLAS used AVX-512, against the avx2 kernels forced there; on an AVX2 CPU it
-# made prompts 2-10x slower and broke batch invariance (a row's value depended on its call's size).
+# Token rows from which float32 BLAS on weights dequantized per call beats the kernels, per kernel set.
+# avx512: never (1.15x the kernel's time at 512 rows; one core, int16, Zen 4). avx2: never. On an AVX2-only
+# Zen 3 (2 threads, int12, idle, benchmarks/results/s8_blas_crossover_avx2.txt) BLAS takes 18-35x the kernel's
+# time at 16 rows, 3.0-5.7x at 128 and 1.3-1.7x at 512 on the 1B shapes (7-11x / 1.2-2.2x / 0.68-1.36x on the
+# 135M ones): a crossover would win only at 512 rows of the smallest matrix, and would make a row's value depend on the
+# size of its call (an earlier crossover at 16, measured on a Zen 4 whose BLAS used AVX-512, did both).
 # scalar: 0.62x at 2 rows.
 BLAS_CROSSOVER = {"avx512": None, "avx2": None, "scalar": 2}
 

@@ -272,10 +272,8 @@ inline __m256i in_order(__m256i v) {
 //           (8 x 2 x 15 x 127 < 2^15);
 //   8 bits: (q - 128) x x with the sign trick, widened every chunk (|q - 128| x |x| x 2 <= 32512 fits,
 //           two would not); the block sum then gets 128 sum(x) back (xisum).
-// The earlier tile (a block_dot per token and half) re-unpacked the weights per token and, compiled for
-// one token, spilled its 16 broadcasts; GCC also turned the unrolled adds into trees whose leaves spilled.
-// On an AVX2-only Zen 3, 2 threads, 8192x2048 int12, the two builds alternating 6 times: 66-94 -> 76-147
-// GFLOP/s at 4-64 tokens; 1B shapes at one token 14.5-18.6 -> 16.8-20.4 GB/s (docs/quantized-kernels.md).
+// (Why this order, and what the earlier per-token block_dot cost: docs/quantized-kernels.md, "AVX2 on an
+// AVX2-only CPU".)
 // Two-plane activations (int12, int16) keep a sum per plane and combine them per block. The float
 // accumulators live in acc_out (L1): acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
