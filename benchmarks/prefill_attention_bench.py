@@ -32,11 +32,13 @@ SHAPES = {"1b": (32, 8, 64), "135m": (9, 3, 64), "3b": (24, 8, 128)}  # n_heads,
 HERE = Path(__file__).resolve().parent
 
 
-def fma_peak() -> dict:
-    """One core's float32 FMA rate, GFLOP/s, on 512- and 256-bit vectors (benchmarks/fma_probe.c)."""
+def fma_peak(has_avx512: bool) -> dict:
+    """One core's float32 FMA rate, GFLOP/s, on 256-bit vectors and, where the CPU has AVX-512, 512-bit
+    ones (benchmarks/fma_probe.c)."""
+    widths = (("zmm", ["-mavx512f"]), ("ymm", ["-mavx2"])) if has_avx512 else (("ymm", ["-mavx2"]),)
     with tempfile.TemporaryDirectory() as tmp:
         peaks = {}
-        for name, flags in (("zmm", ["-mavx512f"]), ("ymm", ["-mavx2"])):
+        for name, flags in widths:
             exe = Path(tmp) / name
             subprocess.run(["cc", "-O2", "-mfma", *flags, f"-DWIDTH={512 if name == 'zmm' else 256}",
                             str(HERE / "fma_probe.c"), "-o", str(exe)], check=True)
@@ -109,7 +111,7 @@ def main(argv=None) -> None:
     if args.threads and not ext.load().set_num_threads(args.threads):
         raise SystemExit(f"could not set {args.threads} kernel threads")
     threads = ext.load().num_threads()
-    peak = {} if args.no_peak else fma_peak()
+    peak = {} if args.no_peak else fma_peak(any(isa.startswith("avx512") for isa in ext.supported_isas()))
     print(f"shape {args.shape} {SHAPES[args.shape]} kv {args.kv_dtype} threads {threads}; "
           f"FMA peak per core: {peak or 'not measured'} GFLOP/s")
     print(f"{'context':>8s} {'isa':>11s} {'ms':>8s} {'GFLOP/s wall':>13s} {'GFLOP/s cpu':>12s} {'per core':>9s}")
