@@ -1,6 +1,7 @@
 // Python bindings of the CPU kernels. NB_DOMAIN mlx (set in CMakeLists.txt) shares mlx's
 // nanobind type registry, so mx.array arguments convert to mx::array without copies.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -54,6 +55,14 @@ NB_MODULE(_kernels, m) {
         "The instruction set of the kernels in use: scalar, avx2 or avx512.");
   m.def("supported_isas", &metrale::supported_isas,
         "The kernel sets this build has and this CPU runs, best last.");
+  m.def("qmm_task_shape",
+        [](int activation_bits, int64_t tokens) {
+          const metrale::QmmTaskShape s = metrale::cpu_kernels().qmm_task_shape(activation_bits, tokens);
+          return std::make_pair(s.min_tokens, s.panels_per_task);
+        },
+        "activation_bits"_a, "tokens"_a,
+        "(min_tokens, panels_per_task): how quantized_matmul cuts a compute-bound call of `tokens` rows into\n"
+        "tasks for the kernel set in use (token blocks of at least min_tokens rows).");
   m.def("set_cpu_isa", &metrale::set_cpu_isa, "name"_a,
         "Use the kernel set `name` (one of supported_isas(), or 'auto'); ValueError otherwise.\n"
         "For tests and benchmarks: call it while no kernel runs.");

@@ -85,7 +85,7 @@ const KernelTable* METRALE_CAT(kernel_table_, METRALE_ISA_NS)() {
       METRALE_STR(METRALE_ISA_NS), isa::decode_task,
       isa::prefill_task,
       isa::causal_softmax_rows, isa::kernel::gated,
-      isa::kernel::rms_norm_rows, isa::kernel::rope_rows, isa::qmm::quantize, isa::qmm::panels,
+      isa::kernel::rms_norm_rows, isa::kernel::rope_rows, isa::qmm::quantize, isa::qmm::panels, isa::qmm::task_shape,
       isa::kernel::argmax_range, isa::kernel::sample_full_row, isa::kernel::logsumexp_row,
       isa::kernel::add_rms_norm_rows, isa::kernel::candidate_masses, isa::kernel::block_maxima,
       isa::kernel::gather_at_least, isa::kernel::gather_bucket, isa::kernel::store_floats,

@@ -118,6 +118,13 @@ struct QmmOut {
   int glu;  // -1: plain; else a GatedKind
 };
 
+// How qmm.cpp should cut a compute-bound call (more than its few decode rows) into tasks for a set's
+// qmm_panels: token blocks of at least min_tokens rows (and a multiple of 16), panels_per_task panels each.
+struct QmmTaskShape {
+  int64_t min_tokens;
+  int64_t panels_per_task;
+};
+
 // Greedy argmax (sampling_kernel.h): a range of one row's maximum, the index of its first occurrence and the
 // index of the range's first NaN (-1: none), all indices counted from the row's start.
 struct ArgmaxPart {
@@ -172,6 +179,8 @@ struct KernelTable {
   // quantized matmul: panels [p_begin, p_end) (pairs with glu) for tokens [t_begin, t_end) of acts
   void (*qmm_panels)(const QmmWeights& w, const QmmActs& acts, const QmmOut& out, int64_t p_begin, int64_t p_end,
                      int64_t t_begin, int64_t t_end);
+  // quantized matmul: the task shape qmm_panels wants for a call of `tokens` rows of act_bits activations
+  QmmTaskShape (*qmm_task_shape)(int act_bits, int64_t tokens);
   // greedy argmax over x[begin, end) of one float32 row
   ArgmaxPart (*argmax_range)(const float* x, int64_t begin, int64_t end);
   // one row x (V,) float32 sampled at a temperature by the inverse CDF at u (sampling_kernel.h); scratch holds

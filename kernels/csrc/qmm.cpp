@@ -160,20 +160,13 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       kernels.qmm_quantize(xp, acts, begin, std::min(tokens, begin + kRowsPerQuantizeTask));
     });
 
-    // Tasks: up to kPanelsPerTask panels (pairs with glu) of one output x a block of tokens whose
+    // Tasks: a few panels (pairs with glu) of one output x a block of tokens whose
     // activations stay in L2 (every panel of the task reads all of them), token blocks outermost so
     // that a thread's consecutive tasks share activations.
-    const int64_t act_bytes = row_bytes;
-    // (a multiple of 16 tokens: the AMX panels' tile, qmm_amx.cpp; those reuse each unpacked weight chunk
-    // across the block's token tiles, so they get at least 64 tokens: 1.5x at K = 8192 against 16)
-    const int64_t min_block = std::strcmp(kernels.isa, "avx512_amx") == 0 ? 64 : 16;
-    const int64_t block = std::max<int64_t>(min_block, kActivationBlockBytes / act_bytes / 16 * 16);
-    // (the avx512 set's GEMM path, >= 16 tokens of int12/int16, packs a task's token block once for all its
-    // panels, qmm_gemm_avx512.h: 8 panels per task amortize it, 4 do not; 16 starve a thread of the 2048-row q/o at
-    // 16-32 tokens)
-    const bool packs = std::strcmp(kernels.isa, "avx512") == 0 && act_bits != 8 && tokens >= 16;
-    const int64_t per_task =
-        tokens <= kDecodeTokens ? kDecodePanelsPerTask : (packs ? 2 * kPanelsPerTask : kPanelsPerTask);
+    // (the kernel set says what suits its panels: qmm_task_shape)
+    const QmmTaskShape shape = kernels.qmm_task_shape(act_bits, tokens);
+    const int64_t block = std::max<int64_t>(shape.min_tokens, kActivationBlockBytes / row_bytes / 16 * 16);
+    const int64_t per_task = tokens <= kDecodeTokens ? kDecodePanelsPerTask : shape.panels_per_task;
     struct Task { int out; int64_t begin, end, t_begin, t_end; };
     std::vector<Task> tasks;
     for (int64_t t0 = 0; t0 < tokens; t0 += block) {

@@ -291,6 +291,10 @@ void run_acts(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_
   (w.bits == 4 ? run_bits<4, ACT> : run_bits<8, ACT>)(w, a, o, p_begin, p_end, t_begin, t_end);
 }
 
+// Token blocks of at least 64 rows (a multiple of the 16-token tile): the panels reuse each unpacked weight
+// chunk across the block's token tiles, 1.5x at K = 8192 against 16; 4 panels per task.
+QmmTaskShape task_shape(int, int64_t) { return {64, 4}; }
+
 void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end, int64_t t_begin,
             int64_t t_end) {
   const int64_t t_tiles = t_begin + (t_end - t_begin) / kTileTokens * kTileTokens;
@@ -312,6 +316,7 @@ const KernelTable* kernel_table_avx512_amx() {
     KernelTable t = *kernel_table_avx512();
     t.isa = "avx512_amx";
     t.qmm_panels = metrale::METRALE_ISA_NS::amx::panels;
+    t.qmm_task_shape = metrale::METRALE_ISA_NS::amx::task_shape;
     return t;
   }();
   return &table;

@@ -465,6 +465,18 @@ void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t 
   }
 }
 
+// The tasks run_panels wants (qmm.cpp cuts a call into them): 4 panels over a token block, or 8 where
+// the avx512 GEMM runs, which packs a task's token block once for all its panels (8 panels amortize the
+// packing, 4 do not; 16 starve a thread of the 2048-row q/o at 16-32 tokens).
+inline QmmTaskShape task_shape(int act_bits, int64_t tokens) {
+#if defined(METRALE_QMM_AVX512)
+  if (act_bits != 8 && tokens >= kGemmMinTokens) return {16, 8};
+#else
+  (void)act_bits, (void)tokens;
+#endif
+  return {16, 4};
+}
+
 template <int ACT>
 void panels_of(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end,
                int64_t t_begin, int64_t t_end) {
