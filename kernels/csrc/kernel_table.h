@@ -124,6 +124,7 @@ struct QmmTaskShape {
   int64_t min_tokens;
   int64_t panels_per_task;
 };
+constexpr int64_t kPanelsPerTask = 4;  // the usual panels_per_task (and MoE's tasks, moe.cpp)
 
 // Greedy argmax (sampling_kernel.h): a range of one row's maximum, the index of its first occurrence and the
 // index of the range's first NaN (-1: none), all indices counted from the row's start.

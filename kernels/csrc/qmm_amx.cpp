@@ -292,8 +292,8 @@ void run_acts(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_
 }
 
 // Token blocks of at least 64 rows (a multiple of the 16-token tile): the panels reuse each unpacked weight
-// chunk across the block's token tiles, 1.5x at K = 8192 against 16; 4 panels per task.
-QmmTaskShape task_shape(int, int64_t) { return {64, 4}; }
+// chunk across the block's token tiles, 1.5x at K = 8192 against 16; the usual panels per task.
+QmmTaskShape task_shape(int, int64_t) { return {64, kPanelsPerTask}; }
 
 void panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t p_begin, int64_t p_end, int64_t t_begin,
             int64_t t_end) {

@@ -16,7 +16,6 @@ namespace mx = mlx::core;
 // Threads pay once a call streams this many weight bytes per token tile (a pool worker wakes
 // ~50 us late on the 2-core dev VM; 256 KiB of weights take about that long on one core).
 constexpr int64_t kMinParallelBytes = 256 << 10;
-constexpr int64_t kPanelsPerTask = 4;  // MoE's tasks (moe.cpp); qmm.cpp asks the kernel set (qmm_task_shape)
 constexpr int64_t kActivationBlockBytes = 192 << 10;  // quantized activations per task: half of a 1-2 MiB L2
 constexpr int64_t kRowsPerQuantizeTask = 16;
 

@@ -470,11 +470,11 @@ void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t 
 // packing, 4 do not; 16 starve a thread of the 2048-row q/o at 16-32 tokens).
 inline QmmTaskShape task_shape(int act_bits, int64_t tokens) {
 #if defined(METRALE_QMM_AVX512)
-  if (act_bits != 8 && tokens >= kGemmMinTokens) return {16, 8};
+  if (act_bits != 8 && tokens >= kGemmMinTokens) return {16, 2 * kPanelsPerTask};
 #else
   (void)act_bits, (void)tokens;
 #endif
-  return {16, 4};
+  return {16, kPanelsPerTask};
 }
 
 template <int ACT>
