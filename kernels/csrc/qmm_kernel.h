@@ -277,18 +277,20 @@ inline __m256i in_order(__m256i v) {
 // Two-plane activations (int12, int16) keep a sum per plane and combine them per block. The float
 // accumulators live in acc_out (L1): acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
-// One token, 4-bit weights (a one-stream decode step): both halves of the panel at once, so each
-// activation word is broadcast once per block for the 16 rows (tile() broadcasts it per half). Same
-// integer sums (exact) and the same float epilogue, in the same order, as tile().
-template <bool F16S, int ACT>
-void tile_one_token(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
+// One or two tokens, 4-bit weights (one- and two-stream decode steps): both halves of the panel at once,
+// so each activation word is broadcast once per block for the 16 rows (tile() broadcasts it per half). One
+// token keeps its float sums in registers, two in acc_out (L1) as tile() does. Same integer sums (exact)
+// and the same float epilogue, in the same order, as tile().
+template <int TT, bool F16S, int ACT>
+void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   constexpr bool WIDE = act_two_planes(ACT);
   constexpr int planes = WIDE ? 2 : 1;
   constexpr int block_bytes = kActBlock * R * 4 / 8;
   const uint8_t* panel = w.q + p * panel_bytes(w);
   const __m256i ones16 = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc[TT][2];
+  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
     prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
@@ -296,48 +298,57 @@ void tile_one_token(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0
       const int blk = g * per_group + bb;
       const uint8_t* wq = panel + static_cast<int64_t>(blk) * block_bytes;
       for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
-      const int32_t* x[planes];
-      x[0] = reinterpret_cast<const int32_t*>(a.xq + act_at(t0, blk, K, ACT));
-      if constexpr (WIDE) x[1] = x[0] + kActBlock / 4;
-      __m256i sum[2][planes];  // [half][plane]: int16 pair sums
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < planes; ++l) sum[h][l] = _mm256_setzero_si256();
+      const int32_t* x[TT][planes];
+      for (int t = 0; t < TT; ++t) {
+        x[t][0] = reinterpret_cast<const int32_t*>(a.xq + act_at(t0 + t, blk, K, ACT));
+        if constexpr (WIDE) x[t][1] = x[t][0] + kActBlock / 4;
+      }
+      __m256i sum[TT][planes][2];  // [token][plane][half]: int16 pair sums
+      for (int t = 0; t < TT; ++t)
+        for (int l = 0; l < planes; ++l) sum[t][l][0] = sum[t][l][1] = _mm256_setzero_si256();
       for (int o = 0; o < 4; ++o) {
         __m256i lo[2], hi[2];
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + h * 32));
           lo[h] = _mm256_and_si256(v, m4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
-        for (int l = 0; l < planes; ++l) {
-          const __m256i xlo = _mm256_set1_epi32(x[l][2 * o]), xhi = _mm256_set1_epi32(x[l][2 * o + 1]);
-          for (int h = 0; h < 2; ++h) {
-            sum[h][l] = in_order(_mm256_add_epi16(sum[h][l], _mm256_maddubs_epi16(lo[h], xlo)));
-            sum[h][l] = in_order(_mm256_add_epi16(sum[h][l], _mm256_maddubs_epi16(hi[h], xhi)));
+        for (int t = 0; t < TT; ++t)
+          for (int l = 0; l < planes; ++l) {
+            const __m256i xlo = _mm256_set1_epi32(x[t][l][2 * o]), xhi = _mm256_set1_epi32(x[t][l][2 * o + 1]);
+            for (int h = 0; h < 2; ++h) {
+              sum[t][l][h] = in_order(_mm256_add_epi16(sum[t][l][h], _mm256_maddubs_epi16(lo[h], xlo)));
+              sum[t][l][h] = in_order(_mm256_add_epi16(sum[t][l][h], _mm256_maddubs_epi16(hi[h], xhi)));
+            }
           }
-        }
       }
-      const __m256 d = _mm256_set1_ps(a.xd[t0 * blocks + blk]);
-      for (int h = 0; h < 2; ++h) {
-        __m256i ia = _mm256_madd_epi16(sum[h][0], ones16);
-        if constexpr (WIDE) {
-          const __m256i il = _mm256_madd_epi16(sum[h][planes - 1], ones16);
-          ia = ACT == 12 ? _mm256_add_epi32(_mm256_slli_epi32(ia, 4), il)
-                         : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), il);
+      for (int t = 0; t < TT; ++t) {
+        const __m256 d = _mm256_set1_ps(a.xd[(t0 + t) * blocks + blk]);
+        for (int h = 0; h < 2; ++h) {
+          __m256i ia = _mm256_madd_epi16(sum[t][0][h], ones16);
+          if constexpr (WIDE) {
+            const __m256i il = _mm256_madd_epi16(sum[t][planes - 1][h], ones16);
+            ia = ACT == 12 ? _mm256_add_epi32(_mm256_slli_epi32(ia, 4), il)
+                           : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), il);
+          }
+          const __m256 sd = _mm256_mul_ps(load8v<F16S>(w.scales, p * groups + g, h), d);
+          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, acc[t][h]);
         }
-        const __m256 sd = _mm256_mul_ps(load8v<F16S>(w.scales, p * groups + g, h), d);
-        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, acc[h]);
       }
     }
-    const __m256 xs = _mm256_set1_ps(a.xsum[t0 * groups + g]);
-    for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(load8v<F16S>(w.biases, p * groups + g, h), xs, acc[h]);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xs = _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]);
+      for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(load8v<F16S>(w.biases, p * groups + g, h), xs, acc[t][h]);
+    }
   }
-  _mm256_storeu_ps(acc_out[0], acc[0]);
-  _mm256_storeu_ps(acc_out[0] + 8, acc[1]);
+  for (int t = 0; t < TT; ++t) {
+    _mm256_storeu_ps(acc_out[t], acc[t][0]);
+    _mm256_storeu_ps(acc_out[t] + 8, acc[t][1]);
+  }
 }
 
 template <int TT, int BITS, bool F16S, int ACT>
 void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
-  if constexpr (TT == 1 && BITS == 4) return tile_one_token<F16S, ACT>(w, a, p, t0, acc_out);
+  if constexpr (TT <= 2 && BITS == 4) return tile_both_halves<TT, F16S, ACT>(w, a, p, t0, acc_out);
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   constexpr bool WIDE = act_two_planes(ACT);
   constexpr int planes = WIDE ? 2 : 1;
