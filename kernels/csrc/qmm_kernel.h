@@ -265,22 +265,16 @@ inline __m256i in_order(__m256i v) {
   return v;
 }
 
-// One half of a panel (8 rows, 4 k per 32-bit lane of a ymm) at a time, each unpacked weight vector
-// meeting every token's activation words (both planes; broadcast straight from memory) and dropped,
-// the running sums kept chains (in_order): the loop holds TT x planes sums and no spills.
-//   4 bits: the int16 pair sums of all 8 chunks of a block accumulate before one widening
-//           (8 x 2 x 15 x 127 < 2^15);
-//   8 bits: (q - 128) x x with the sign trick, widened every chunk (|q - 128| x |x| x 2 <= 32512 fits,
-//           two would not); the block sum then gets 128 sum(x) back (xisum).
-// (Why this order, and what the earlier per-token block_dot cost: docs/quantized-kernels.md, "AVX2 on an
-// AVX2-only CPU".)
-// Two-plane activations (int12, int16) keep a sum per plane and combine them per block. The float
-// accumulators live in acc_out (L1): acc = fma(cvt(block sum), scale * d, acc) per block, then
+// 4-bit weights: the whole panel (both 8-row halves, 4 k per 32-bit lane of a ymm) for one or two tokens
+// at a time: each unpacked weight vector meets the tokens' activation words (both planes; each word
+// broadcast once per block, straight from memory) and is dropped, the running sums kept chains (in_order):
+// per token 2 x planes sums, no spills (three tokens would need more than the 16 ymm registers). The int16
+// pair sums of all 8 chunks of a block accumulate before one widening (8 x 2 x 15 x 127 < 2^15). Two-plane
+// activations (int12, int16) keep a sum per plane and combine them per block. One token keeps its float
+// sums in registers, two in acc_out (L1): acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
-// One or two tokens, 4-bit weights (one- and two-stream decode steps): both halves of the panel at once,
-// so each activation word is broadcast once per block for the 16 rows (tile() broadcasts it per half). One
-// token keeps its float sums in registers, two in acc_out (L1) as tile() does. Same integer sums (exact)
-// and the same float epilogue, in the same order, as tile().
+// tile() runs 3 and 4 tokens as pairs: broadcasting a word once per half, as the 8-bit tile below does,
+// cost 7-15% at 8-32 tokens (docs/quantized-kernels.md, "AVX2 on an AVX2-only CPU").
 template <int TT, bool F16S, int ACT>
 void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
@@ -346,16 +340,20 @@ void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t 
   }
 }
 
-template <int TT, int BITS, bool F16S, int ACT>
-void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
-  if constexpr (TT <= 2 && BITS == 4) return tile_both_halves<TT, F16S, ACT>(w, a, p, t0, acc_out);
+// 8-bit weights: one half of a panel (8 rows, 4 k per 32-bit lane) at a time, each weight vector meeting
+// every token's activation words; (q - 128) x x with the sign trick, widened every chunk (|q - 128| x |x| x 2
+// <= 32512 fits, two would not); the block sum then gets 128 sum(x) back (xisum). Float sums in acc_out (L1),
+// the same epilogue as the 4-bit tile. (Why this order, and what the earlier per-token block_dot cost:
+// docs/quantized-kernels.md, "AVX2 on an AVX2-only CPU".)
+template <int TT, bool F16S, int ACT>
+void tile_8bit(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
   constexpr bool WIDE = act_two_planes(ACT);
   constexpr int planes = WIDE ? 2 : 1;
-  constexpr int block_bytes = kActBlock * R * BITS / 8;
+  constexpr int block_bytes = kActBlock * R;
   const uint8_t* panel = w.q + p * panel_bytes(w);
   const __m256i ones16 = _mm256_set1_epi16(1);
-  const __m256i m4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int t = 0; t < TT; ++t) {
     _mm256_storeu_ps(acc_out[t], _mm256_setzero_ps());
     _mm256_storeu_ps(acc_out[t] + 8, _mm256_setzero_ps());
@@ -374,45 +372,31 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
         if constexpr (WIDE) x[t][1] = x[t][0] + kActBlock / 4;
       }
       for (int h = 0; h < 2; ++h) {
-        __m256i sum[TT][planes];  // int16 pair sums (4 bits) or int32 row sums (8 bits)
+        __m256i sum[TT][planes];  // int32 row sums
         for (int t = 0; t < TT; ++t)
           for (int l = 0; l < planes; ++l) sum[t][l] = _mm256_setzero_si256();
-        if constexpr (BITS == 4) {
-          for (int o = 0; o < 4; ++o) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + h * 32));
-            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            for (int t = 0; t < TT; ++t) {
-              for (int l = 0; l < planes; ++l) {
-                const __m256i xlo = _mm256_set1_epi32(x[t][l][2 * o]), xhi = _mm256_set1_epi32(x[t][l][2 * o + 1]);
-                sum[t][l] = in_order(_mm256_add_epi16(sum[t][l], _mm256_maddubs_epi16(lo, xlo)));
-                sum[t][l] = in_order(_mm256_add_epi16(sum[t][l], _mm256_maddubs_epi16(hi, xhi)));
-              }
-            }
-          }
-        } else {
-          for (int o = 0; o < 8; ++o) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + h * 32));
-            const __m256i ws = _mm256_xor_si256(v, flip);  // q - 128 as int8
-            const __m256i wa = _mm256_abs_epi8(ws);
-            for (int t = 0; t < TT; ++t) {
-              for (int l = 0; l < planes; ++l) {
-                const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x[t][l][o]), ws);
-                const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, sx), ones16);
-                sum[t][l] = in_order(_mm256_add_epi32(sum[t][l], products));
-              }
+        for (int o = 0; o < 8; ++o) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + h * 32));
+          const __m256i ws = _mm256_xor_si256(v, flip);  // q - 128 as int8
+          const __m256i wa = _mm256_abs_epi8(ws);
+          for (int t = 0; t < TT; ++t) {
+            for (int l = 0; l < planes; ++l) {
+              const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x[t][l][o]), ws);
+              const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, sx), ones16);
+              sum[t][l] = in_order(_mm256_add_epi32(sum[t][l], products));
             }
           }
         }
         const __m256 s = load8v<F16S>(w.scales, p * groups + g, h);
         for (int t = 0; t < TT; ++t) {
-          __m256i ia = BITS == 4 ? _mm256_madd_epi16(sum[t][0], ones16) : sum[t][0];
+          __m256i ia = sum[t][0];
           if constexpr (WIDE) {
-            const __m256i il = BITS == 4 ? _mm256_madd_epi16(sum[t][planes - 1], ones16) : sum[t][planes - 1];
+            const __m256i il = sum[t][planes - 1];
             ia = ACT == 12 ? _mm256_add_epi32(_mm256_slli_epi32(ia, 4), il)
                            : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), il);
           }
           const int64_t row = t0 + t;
-          if constexpr (BITS == 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(128 * a.xisum[row * blocks + blk]));
+          ia = _mm256_add_epi32(ia, _mm256_set1_epi32(128 * a.xisum[row * blocks + blk]));
           const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(a.xd[row * blocks + blk]));
           float* acc = acc_out[t] + 8 * h;
           _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, _mm256_loadu_ps(acc)));
@@ -426,6 +410,21 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
         _mm256_storeu_ps(acc, _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]), _mm256_loadu_ps(acc)));
       }
     }
+  }
+}
+
+// One panel x TT tokens (run_panels' tile): 4-bit weights in pairs of tokens, 8-bit in one pass.
+template <int TT, int BITS, bool F16S, int ACT>
+void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
+  if constexpr (BITS == 4) {
+    if constexpr (TT <= 2) {
+      tile_both_halves<TT, F16S, ACT>(w, a, p, t0, acc_out);
+    } else {
+      tile_both_halves<2, F16S, ACT>(w, a, p, t0, acc_out);
+      tile_both_halves<TT - 2, F16S, ACT>(w, a, p, t0 + 2, acc_out + 2);
+    }
+  } else {
+    tile_8bit<TT, F16S, ACT>(w, a, p, t0, acc_out);
   }
 }
 
