@@ -258,6 +258,22 @@ inline __m256 load8v(const void* base, int64_t index, int h) {
   }
 }
 
+// Requests the scales and biases of panel p's group g + kPrefetchGroups (they stream beside the weights).
+template <bool F16S>
+inline void prefetch_group(const QmmWeights& w, int64_t p, int g, int groups) {
+  prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+  prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+}
+
+// x[t][plane]: block blk's activation words (4 int8 each) of token t0 + t, the hi (or int8) plane then lo.
+template <int TT, int ACT>
+inline void block_words(const QmmActs& a, int64_t t0, int blk, int K, const int32_t* x[TT][act_two_planes(ACT) ? 2 : 1]) {
+  for (int t = 0; t < TT; ++t) {
+    x[t][0] = reinterpret_cast<const int32_t*>(a.xq + act_at(t0 + t, blk, K, ACT));
+    if constexpr (act_two_planes(ACT)) x[t][1] = x[t][0] + kActBlock / 4;
+  }
+}
+
 // v, opaque to the optimizer: keeps a running integer sum a chain in one register. Without it GCC
 // reassociates the unrolled adds into a tree whose leaves (every maddubs product of a block) spill.
 inline __m256i in_order(__m256i v) {
@@ -286,17 +302,13 @@ void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t 
   __m256 acc[TT][2];
   for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
-    prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-    prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+    prefetch_group<F16S>(w, p, g, groups);
     for (int bb = 0; bb < per_group; ++bb) {
       const int blk = g * per_group + bb;
       const uint8_t* wq = panel + static_cast<int64_t>(blk) * block_bytes;
       for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
       const int32_t* x[TT][planes];
-      for (int t = 0; t < TT; ++t) {
-        x[t][0] = reinterpret_cast<const int32_t*>(a.xq + act_at(t0 + t, blk, K, ACT));
-        if constexpr (WIDE) x[t][1] = x[t][0] + kActBlock / 4;
-      }
+      block_words<TT, ACT>(a, t0, blk, K, x);
       __m256i sum[TT][planes][2];  // [token][plane][half]: int16 pair sums
       for (int t = 0; t < TT; ++t)
         for (int l = 0; l < planes; ++l) sum[t][l][0] = sum[t][l][1] = _mm256_setzero_si256();
@@ -359,18 +371,13 @@ void tile_8bit(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, flo
     _mm256_storeu_ps(acc_out[t] + 8, _mm256_setzero_ps());
   }
   for (int g = 0; g < groups; ++g) {
-    prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-    prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+    prefetch_group<F16S>(w, p, g, groups);
     for (int bb = 0; bb < per_group; ++bb) {
       const int blk = g * per_group + bb;
       const uint8_t* wq = panel + static_cast<int64_t>(blk) * block_bytes;
       for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
-      // x[t][plane]: the block's activation words (4 int8 each) of token t, hi (or int8) plane then lo
       const int32_t* x[TT][planes];
-      for (int t = 0; t < TT; ++t) {
-        x[t][0] = reinterpret_cast<const int32_t*>(a.xq + act_at(t0 + t, blk, K, ACT));
-        if constexpr (WIDE) x[t][1] = x[t][0] + kActBlock / 4;
-      }
+      block_words<TT, ACT>(a, t0, blk, K, x);
       for (int h = 0; h < 2; ++h) {
         __m256i sum[TT][planes];  // int32 row sums
         for (int t = 0; t < TT; ++t)
