@@ -274,6 +274,13 @@ inline void block_words(const QmmActs& a, int64_t t0, int blk, int K, const int3
   }
 }
 
+// act_hi_weight(ACT) * hi + lo, the integer block sum of int12 / int16 activations from their two planes.
+template <int ACT>
+inline __m256i combine_planes(__m256i hi, __m256i lo) {
+  if constexpr (ACT == 12) return _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo);
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
+}
+
 // v, opaque to the optimizer: keeps a running integer sum a chain in one register. Without it GCC
 // reassociates the unrolled adds into a tree whose leaves (every maddubs product of a block) spill.
 inline __m256i in_order(__m256i v) {
@@ -286,8 +293,9 @@ inline __m256i in_order(__m256i v) {
 // broadcast once per block, straight from memory) and is dropped, the running sums kept chains (in_order):
 // per token 2 x planes sums, no spills (three tokens would need more than the 16 ymm registers). The int16
 // pair sums of all 8 chunks of a block accumulate before one widening (8 x 2 x 15 x 127 < 2^15). Two-plane
-// activations (int12, int16) keep a sum per plane and combine them per block. One token keeps its float
-// sums in registers, two in acc_out (L1): acc = fma(cvt(block sum), scale * d, acc) per block, then
+// activations (int12, int16) keep a sum per plane and combine them per block. The float sums are locals
+// (registers for one token; GCC keeps two tokens' on the stack), the block's scales and the group's
+// biases loaded once for all tokens: acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
 // tile() runs 3 and 4 tokens as pairs: broadcasting a word once per half, as the 8-bit tile below does,
 // cost 7-15% at 8-32 tokens (docs/quantized-kernels.md, "AVX2 on an AVX2-only CPU").
@@ -327,23 +335,20 @@ void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t 
             }
           }
       }
+      const __m256 s[2] = {load8v<F16S>(w.scales, p * groups + g, 0), load8v<F16S>(w.scales, p * groups + g, 1)};
       for (int t = 0; t < TT; ++t) {
         const __m256 d = _mm256_set1_ps(a.xd[(t0 + t) * blocks + blk]);
         for (int h = 0; h < 2; ++h) {
           __m256i ia = _mm256_madd_epi16(sum[t][0][h], ones16);
-          if constexpr (WIDE) {
-            const __m256i il = _mm256_madd_epi16(sum[t][planes - 1][h], ones16);
-            ia = ACT == 12 ? _mm256_add_epi32(_mm256_slli_epi32(ia, 4), il)
-                           : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), il);
-          }
-          const __m256 sd = _mm256_mul_ps(load8v<F16S>(w.scales, p * groups + g, h), d);
-          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, acc[t][h]);
+          if constexpr (WIDE) ia = combine_planes<ACT>(ia, _mm256_madd_epi16(sum[t][planes - 1][h], ones16));
+          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s[h], d), acc[t][h]);
         }
       }
     }
+    const __m256 m[2] = {load8v<F16S>(w.biases, p * groups + g, 0), load8v<F16S>(w.biases, p * groups + g, 1)};
     for (int t = 0; t < TT; ++t) {
       const __m256 xs = _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]);
-      for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(load8v<F16S>(w.biases, p * groups + g, h), xs, acc[t][h]);
+      for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(m[h], xs, acc[t][h]);
     }
   }
   for (int t = 0; t < TT; ++t) {
@@ -397,11 +402,7 @@ void tile_8bit(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, flo
         const __m256 s = load8v<F16S>(w.scales, p * groups + g, h);
         for (int t = 0; t < TT; ++t) {
           __m256i ia = sum[t][0];
-          if constexpr (WIDE) {
-            const __m256i il = sum[t][planes - 1];
-            ia = ACT == 12 ? _mm256_add_epi32(_mm256_slli_epi32(ia, 4), il)
-                           : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(ia, 8), ia), il);
-          }
+          if constexpr (WIDE) ia = combine_planes<ACT>(ia, sum[t][planes - 1]);
           const int64_t row = t0 + t;
           ia = _mm256_add_epi32(ia, _mm256_set1_epi32(128 * a.xisum[row * blocks + blk]));
           const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(a.xd[row * blocks + blk]));
