@@ -6,8 +6,8 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/qmm_roofline.py --tokens 1 --pages ab --rounds 4
 
 Roofs (benchmarks/roofline_probe.c, compiled here with the system C compiler and run with the same thread
-count): the int8 dot-product peak (a tight loop of independent vpdpbusd, or AVX2's maddubs + maddwd +
-add) and the read bandwidth (a STREAM-like sum over a buffer larger than the caches, --buffer-mib).
+count): the int8 dot-product peak (a tight loop of independent vpdpbusd, or AVX2's vpmaddubsw +
+vpaddw) and the read bandwidth (a STREAM-like sum over a buffer larger than the caches, --buffer-mib).
 
 Matrices: random Q4_0-style 4-bit weights, group 32, float16 scales, packed as the loader packs them:
 (N, K) = (2048, 2048) q/o, (8192, 2048) gate or up, (2048, 8192) down; --shape 3b: (3072, 3072) q/o,

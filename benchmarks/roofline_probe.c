@@ -1,6 +1,6 @@
 // The machine's two roofs for the quantized matmul kernels, compiled and run by benchmarks/qmm_roofline.py:
 //   peak    int8 dot products: a tight loop of independent 512-bit vpdpbusd (AVX-512 VNNI; 64 u8 x s8
-//           multiply-adds each), or of vpmaddubsw + vpmaddwd + vpaddd on 256 bits (AVX2: 32 per 3 ops)
+//           multiply-adds each), or of vpmaddubsw + vpaddw on 256 bits (AVX2: 32 per 2 ops, int16 sums)
 //   read    a STREAM-like read (sum of 64-bit words, 4 accumulators, 512- or 256-bit loads) of a buffer
 //           larger than the caches, split over the same number of threads as the kernels
 // Each thread's own CPU time is measured as well as the wall time: on a shared machine the CPU-time
@@ -40,19 +40,41 @@ static double dot_loop(double* cpu, int32_t* sink) {
   *sink = _mm512_reduce_add_epi32(a[0]);
   const double macs = (double)(kIters / 4) * 12 * 64;
 #else
-  __m256i a[8];
-  const __m256i u = _mm256_set1_epi8(1), s = _mm256_set1_epi8(-1), ones = _mm256_set1_epi16(1);
-  for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi32(i);
-  for (long it = 0; it < kIters / 4; ++it) {
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
-    __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]));
-  }
-  for (int i = 1; i < 8; ++i) a[0] = _mm256_add_epi32(a[0], a[i]);
-  int32_t lanes[8];
-  _mm256_storeu_si256((__m256i*)lanes, a[0]);
-  *sink = lanes[0];
-  const double macs = (double)(kIters / 4) * 8 * 32;
+  // Eight independent vpmaddubsw (32 u8 x s8 products, summed in pairs to int16), each added into an
+  // int16 sum (vpaddw): the inner step of the AVX2 4-bit tiles. In assembly: from intrinsics, GCC
+  // computed the loop-invariant products once outside the loop (an earlier version of this probe
+  // measured a loop of adds), or kept sums on the stack.
+  const long iters = kIters * 4;  // ~0.1 s: a shorter loop times the threads' start
+  __asm__ volatile(
+      "vpcmpeqb %%ymm15, %%ymm15, %%ymm15\n\t"
+      "vpabsb %%ymm15, %%ymm14\n\t"
+      "mov %0, %%rcx\n\t"
+      "1:\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm0\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm1\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm2\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm3\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm4\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm5\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm6\n\t"
+      "vpmaddubsw %%ymm15, %%ymm14, %%ymm7\n\t"
+      "vpaddw %%ymm0, %%ymm8, %%ymm8\n\t"
+      "vpaddw %%ymm1, %%ymm9, %%ymm9\n\t"
+      "vpaddw %%ymm2, %%ymm10, %%ymm10\n\t"
+      "vpaddw %%ymm3, %%ymm11, %%ymm11\n\t"
+      "vpaddw %%ymm4, %%ymm12, %%ymm12\n\t"
+      "vpaddw %%ymm5, %%ymm13, %%ymm13\n\t"
+      "vpaddw %%ymm6, %%ymm8, %%ymm8\n\t"
+      "vpaddw %%ymm7, %%ymm9, %%ymm9\n\t"
+      "dec %%rcx\n\t"
+      "jnz 1b\n\t"
+      "vzeroupper\n\t"
+      :
+      : "r"(iters)
+      : "rcx", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+        "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+  *sink = (int32_t)iters;
+  const double macs = (double)iters * 8 * 32;
 #endif
   *cpu = now(CLOCK_THREAD_CPUTIME_ID) - start;
   return macs;
@@ -132,7 +154,7 @@ int main(int argc, char** argv) {
 #if defined(__AVX512VNNI__)
          "avx512-vnni vpdpbusd",
 #else
-         "avx2 vpmaddubsw+vpmaddwd",
+         "avx2 vpmaddubsw+vpaddw",
 #endif
          2 * macs / dot_wall * 1e-9, 2 * macs / cpu_max * 1e-9, mib, bytes / best_wall * 1e-9,
          bytes / best_cpu * 1e-9, (unsigned long long)(total + (uint64_t)sink));

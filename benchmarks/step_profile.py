@@ -4,16 +4,22 @@
     .venv/bin/python benchmarks/step_profile.py --batch 32 --context 256 --dtype float32
     .venv/bin/python benchmarks/step_profile.py --model /tmp/metrale-shapes/llama-1b-q4_0.gguf --batch 1
                                                 (a file from benchmarks/gguf_shapes_bench.py --write-only)
+    .venv/bin/python benchmarks/step_profile.py --model FILE --batch 1 --chunk 512 --context 0   # a prompt chunk
 
-Times, for the default model (or --model), `--batch` decodes of `--context` tokens each (best of --repeat):
+Times, for the default model (or --model), one step of `--batch` sequences with `--context` tokens cached
+and `--chunk` new tokens each (1: a decode step; more: a prompt chunk, sampled at its last row), best of
+--repeat:
   step_ms        the full runner step (ModelRunner.execute)
   host_ms        the runner's host work before the model: step metadata and the token array
   graph_ms       building the step's lazy graph: the model's Python forward and compute_logits
   eval_ms        mx.eval of the logits and the K/V writes (MLX dispatch + every kernel)
   sample_ms      sampler.prepare + sampler.sample (greedy: argmax and one .tolist())
   matmul_ms      the model's weight matmuls alone for the same rows (the kernels' modules, or the
-                 float32 weights), as one evaluation: the matmul-only bound
-  attention_ms   paged attention alone for all layers
+                 float32 weights; the lm_head on the sampled rows only), as one evaluation: the
+                 matmul-only bound
+  matmul_gflops  their arithmetic (2 x rows x weights, int or float) over matmul_ms, and step_gflops
+                 the same arithmetic over step_ms
+  attention_ms   paged attention alone for all layers (the decode kernel, or the prefill one for chunks)
   graph_nodes    arrays in the evaluated graph (mx.export_to_dot), a proxy for MLX's per-op cost
   node_kinds     the evaluated graph's primitives by name and count
   ops_ms         the step's other op kinds alone, each as many calls as one step makes, on the step's
@@ -22,7 +28,9 @@ Times, for the default model (or --model), `--batch` decodes of `--context` toke
                  kv_write (K and V per layer, cast to the pool dtype included), logits_rows (the
                  gather of the sampled rows), argmax (the sampler's, on (batch, vocab) float32)
   other_ms       step_ms - matmul_ms - attention_ms - sum(ops_ms): what no part above explains
-                 (MLX's scheduling between nodes, the cache misses a node meets in the real graph)
+                 (MLX's scheduling between nodes, the cache misses a node meets in the real graph).
+                 rms_norm and residual_add are timed apart, while the step fuses each add into the
+                 next norm (AddRmsNormCPU): on a prompt chunk they count twice and this goes negative
   weight_gbs_*   the packed weight bytes (weight_mib) over step_ms and over matmul_ms: the decode's read rate
   --pages mlx    the packed weights left on MLX's 4 KiB pages (default: huge pages, as the loader does)
   --ab           instead: step_ms with this branch's decode fusions on / off, alternated (best, median)
@@ -65,17 +73,29 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def decode_step(runner: ModelRunner, batch: int, context: int) -> StepInput:
-    bs = runner.kv_cache.block_size
-    blocks_per_seq = -(-(context + 1) // bs)
-    scheduled = []
-    for s in range(batch):
-        table = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
-        scheduled.append(ScheduledRequest(f"r{s}", (100 + s,), context, table, True))
-    out = SchedulerOutput(tuple(scheduled), batch, (), bs)
+def block_tables(runner: ModelRunner, batch: int, context: int, chunk: int) -> list[tuple[int, ...]]:
+    blocks = -(-(context + chunk) // runner.kv_cache.block_size)
+    return [tuple(range(s * blocks, (s + 1) * blocks)) for s in range(batch)]
+
+
+def profiled_step(runner: ModelRunner, batch: int, context: int, chunk: int) -> StepInput:
+    """`batch` sequences, each `chunk` new tokens after `context` cached ones, each sampled at its last row."""
+    tables = block_tables(runner, batch, context, chunk)
+    scheduled = tuple(ScheduledRequest(f"r{s}", tuple(100 + (s + i) % 1000 for i in range(chunk)), context, tables[s],
+                                       True) for s in range(batch))
+    out = SchedulerOutput(scheduled, batch * chunk, (), runner.kv_cache.block_size)
     params = SamplingParams(temperature=0, max_tokens=1)
-    rows = tuple(SamplingRow(f"r{s}", params, (1,) * context, ()) for s in range(batch))
+    rows = tuple(SamplingRow(f"r{s}", params, (1,) * (context + chunk), ()) for s in range(batch))
     return StepInput(out, rows)
+
+
+def sampled_rows(step: StepInput) -> list[int]:
+    """The flat-batch row each sequence samples from: the last of its chunk."""
+    rows, end = [], 0
+    for s in step.scheduler_output.scheduled:
+        end += len(s.token_ids)
+        rows.append(end - 1)
+    return rows
 
 
 def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, float]:
@@ -90,7 +110,7 @@ def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, floa
         token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)
         t1 = time.perf_counter()
         hidden = runner.model(token_ids, metadata.positions, runner.kv_cache, metadata)
-        logits = runner.model.compute_logits(hidden[mx.array(list(range(len(scheduled))), dtype=mx.int32)])
+        logits = runner.model.compute_logits(hidden[mx.array(sampled_rows(step), dtype=mx.int32)])
         t2 = time.perf_counter()
         mx.eval(logits, runner._pools())
         t3 = time.perf_counter()
@@ -103,10 +123,12 @@ def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, floa
 
 def graph_nodes(runner: ModelRunner, step: StepInput) -> tuple[int, dict[str, int]]:
     scheduled = step.scheduler_output.scheduled
-    metadata = AttentionMetadata.build([1] * len(scheduled), [s.start_position + 1 for s in scheduled],
+    metadata = AttentionMetadata.build([len(s.token_ids) for s in scheduled],
+                                       [s.start_position + len(s.token_ids) for s in scheduled],
                                        [s.block_table for s in scheduled], runner.kv_cache.block_size)
     token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)
-    logits = runner.model.compute_logits(runner.model(token_ids, metadata.positions, runner.kv_cache, metadata))
+    hidden = runner.model(token_ids, metadata.positions, runner.kv_cache, metadata)
+    logits = runner.model.compute_logits(hidden[mx.array(sampled_rows(step), dtype=mx.int32)])
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "step.dot")
         mx.export_to_dot(path, logits, *runner._pools())
@@ -118,24 +140,23 @@ def graph_nodes(runner: ModelRunner, step: StepInput) -> tuple[int, dict[str, in
     return sum(kinds.values()), dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
-def decode_metadata(runner: ModelRunner, batch: int, context: int) -> AttentionMetadata:
-    bs = runner.kv_cache.block_size
-    blocks = -(-(context + 1) // bs)
-    return AttentionMetadata.build([1] * batch, [context + 1] * batch,
-                                   [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)], bs)
+def step_metadata(runner: ModelRunner, batch: int, context: int, chunk: int) -> AttentionMetadata:
+    return AttentionMetadata.build([chunk] * batch, [context + chunk] * batch,
+                                   block_tables(runner, batch, context, chunk), runner.kv_cache.block_size)
 
 
-def op_costs(runner: ModelRunner, batch: int, context: int, repeats: int) -> dict[str, float]:
-    """ms per step of each non-matmul, non-attention op kind of a llama-family decode step (see the
-    module docstring), each kind with as many calls as one step has, evaluated as one graph."""
+def op_costs(runner: ModelRunner, batch: int, context: int, chunk: int, repeats: int) -> dict[str, float]:
+    """ms per step of each non-matmul, non-attention op kind of a llama-family step (see the module
+    docstring), each kind with as many calls as one step has, evaluated as one graph."""
     model = runner.model.model
     mc = runner.model_config
     layers = mc.num_hidden_layers
     dim, vocab = mc.hidden_size, mc.vocab_size
-    x = mx.random.normal((batch, dim))
-    q = mx.random.normal((batch, mc.num_attention_heads, mc.head_dim))
-    k = mx.random.normal((batch, mc.num_key_value_heads, mc.head_dim))
-    hidden = mx.random.normal((batch, dim))
+    tokens = batch * chunk
+    x = mx.random.normal((tokens, dim))
+    q = mx.random.normal((tokens, mc.num_attention_heads, mc.head_dim))
+    k = mx.random.normal((tokens, mc.num_key_value_heads, mc.head_dim))
+    hidden = mx.random.normal((tokens, dim))
     logits = mx.random.normal((batch, vocab))
     mx.eval(x, q, k, hidden, logits)
     norm = model.layers[0].input_layernorm
@@ -146,14 +167,14 @@ def op_costs(runner: ModelRunner, batch: int, context: int, repeats: int) -> dic
         return lambda: mx.eval([op(x) for _ in range(count)])
 
     def rope():
-        md = decode_metadata(runner, batch, context)  # the tables are built once per step
+        md = step_metadata(runner, batch, context, chunk)  # the tables are built once per step
         mx.eval([attn._rope.rotate_qk(q, k, md.positions, md) for _ in range(layers)])
 
     def kv_write():
-        md = decode_metadata(runner, batch, context)
+        md = step_metadata(runner, batch, context, chunk)
         mx.eval([runner.kv_cache.write(i, k, k, md.slot_mapping) for i in range(layers)])
 
-    rows = list(range(batch))
+    rows = [(s + 1) * chunk - 1 for s in range(batch)]
     timed = {"rms_norm": calls(norm, 2 * layers + 1), "residual_add": calls(lambda y: y + hidden, 2 * layers),
              "rope": rope, "kv_write": kv_write,
              "logits_rows": lambda: mx.eval(hidden[mx.array(rows, dtype=mx.int32)]),
@@ -167,29 +188,43 @@ def weight_bytes(runner: ModelRunner) -> int:
                if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU)) for a in (m.q, m.scales, m.biases))
 
 
-def matmul_bound(runner: ModelRunner, batch: int, repeats: int) -> float:
-    """Every weight matmul of one forward (all layers + lm_head) on `batch` token rows."""
-    modules = [m for _, m in runner.model.named_modules() if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU))]
+def is_head(name: str) -> bool:
+    """The module or weight that computes the logits (lm_head, or a tied embedding)."""
+    return "lm_head" in name or "embed_tokens" in name
+
+
+def matmul_bound(runner: ModelRunner, rows: int, head_rows: int, repeats: int) -> tuple[float, float]:
+    """Every weight matmul of one forward: the layers' on `rows` token rows, the lm_head on `head_rows`
+    (the sampled ones). Returns (best seconds, multiply-adds x 2)."""
+    modules = [(name, m) for name, m in runner.model.named_modules()
+               if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU))]
     if modules:
-        xs = {}
-        calls = []
-        for m in modules:
-            k = m.in_features if isinstance(m, QuantizedLinearCPU) else m.dims
-            xs.setdefault(k, mx.random.normal((batch, k)))
-            calls.append((m.as_linear if isinstance(m, QuantizedEmbeddingCPU) else m, k))
+        xs, calls, flops = {}, [], 0
+        for name, m in modules:
+            if isinstance(m, QuantizedLinearCPU):  # a fused gate/up computes both halves of its one column
+                k, n = m.in_features, sum(m.columns) * (2 if m.glu else 1)
+            else:
+                k, n = m.dims, m.num_embeddings
+            r = head_rows if is_head(name) else rows
+            xs.setdefault((r, k), mx.random.normal((r, k)))
+            calls.append((m.as_linear if isinstance(m, QuantizedEmbeddingCPU) else m, (r, k)))
+            flops += 2 * r * k * n
         mx.eval(list(xs.values()))
-        return best_of(lambda: mx.eval([fn(xs[k]) for fn, k in calls]), repeats)
-    weights = [w for name, w in tree_flatten(runner.model.parameters())
-               if w.ndim == 2 and ("proj" in name or "embed_tokens" in name or "lm_head" in name)]
-    x = {w.shape[1]: mx.random.normal((batch, w.shape[1])) for w in weights}
+        return best_of(lambda: mx.eval([fn(xs[key]) for fn, key in calls]), repeats), flops
+    weights = [(name, w) for name, w in tree_flatten(runner.model.parameters())
+               if w.ndim == 2 and ("proj" in name or is_head(name))]
+    x = {(r, w.shape[1]): mx.random.normal((r, w.shape[1]))
+         for name, w in weights for r in [head_rows if is_head(name) else rows]}
     mx.eval(list(x.values()))
-    return best_of(lambda: mx.eval([x[w.shape[1]] @ w.T for w in weights]), repeats)
+    pairs = [(x[(head_rows if is_head(name) else rows, w.shape[1])], w) for name, w in weights]
+    flops = sum(2 * a.shape[0] * w.shape[0] * w.shape[1] for a, w in pairs)
+    return best_of(lambda: mx.eval([a @ w.T for a, w in pairs]), repeats), flops
 
 
-def attention_only(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
+def attention_only(runner: ModelRunner, batch: int, context: int, chunk: int, repeats: int) -> float:
     mc = runner.model_config
-    md = decode_metadata(runner, batch, context)
-    q = mx.random.normal((batch, mc.num_attention_heads, mc.head_dim))
+    md = step_metadata(runner, batch, context, chunk)
+    q = mx.random.normal((batch * chunk, mc.num_attention_heads, mc.head_dim))
     pools = [runner.kv_cache.layer(i) for i in range(mc.num_hidden_layers)]  # each layer's own: read from DRAM
 
     def run():
@@ -226,7 +261,9 @@ def ab_steps(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--context", type=int, default=256, help="tokens cached before the step, per sequence")
+    parser.add_argument("--chunk", type=int, default=1, help="new tokens per sequence: 1 decodes, more is a "
+                        "prompt chunk (--ab needs 1)")
     parser.add_argument("--dtype", default="auto", help="EngineConfig.dtype: auto (quantized kernels) or float32")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--model", default=None, help="a GGUF file or model id (default: EngineConfig's)")
@@ -239,29 +276,32 @@ def main() -> None:
     parser.add_argument("--ab", action="store_true",
                         help="only step_ms with the decode fusions on and off, alternated (set_decode_fusions)")
     args = parser.parse_args()
+    if args.ab and args.chunk != 1:
+        parser.error("--ab times decode steps: --chunk must be 1")
     if args.pages == "mlx":  # the loader's modules call ext.huge_page_copy on their packed weights
         ext.huge_page_copy = lambda a: a
     model = {"model": args.model} if args.model else {}
     runner = ModelRunner.load(EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, dtype=args.dtype,
                                            kv_cache_dtype=args.kv_cache_dtype, **model))
-    step = decode_step(runner, args.batch, args.context)
+    step = profiled_step(runner, args.batch, args.context, args.chunk)
     if args.ab:
         print(json.dumps({"model": args.model or "default", "batch": args.batch, "context": args.context,
                           **ab_steps(runner, step, args.repeat)}))
         return
     full = best_of(lambda: runner.execute(step), args.repeat)
     parts = phases(runner, step, args.repeat)
-    bound = matmul_bound(runner, args.batch, args.repeat)
-    attn = attention_only(runner, args.batch, args.context, args.repeat)
-    ops = op_costs(runner, args.batch, args.context, args.repeat)
+    bound, flops = matmul_bound(runner, args.batch * args.chunk, args.batch, args.repeat)
+    attn = attention_only(runner, args.batch, args.context, args.chunk, args.repeat)
+    ops = op_costs(runner, args.batch, args.context, args.chunk, args.repeat)
     nodes, kinds = graph_nodes(runner, step)
     result = {"model": args.model or "default",
-              "batch": args.batch, "context": args.context, "dtype": args.dtype,
+              "batch": args.batch, "context": args.context, "chunk": args.chunk, "dtype": args.dtype,
               "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("mlx.core."),
               "backends": select_backends().describe(), "cpu_isa": ext.cpu_isa(),
               "attention_backend": attention_backend(), "step_ms": round(full * 1e3, 2),
               **{k: round(v, 2) for k, v in parts.items()},
               "matmul_ms": round(bound * 1e3, 2), "attention_ms": round(attn * 1e3, 2),
+              "matmul_gflops": round(flops / bound * 1e-9, 1), "step_gflops": round(flops / full * 1e-9, 1),
               "ops_ms": ops, "other_ms": round((full - bound - attn) * 1e3 - sum(ops.values()), 2),
               "graph_nodes": nodes, "node_kinds": kinds,
               "matmul_share": round(bound / full, 3), "attention_share": round(attn / full, 3),
