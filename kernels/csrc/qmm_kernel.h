@@ -291,14 +291,15 @@ inline __m256i in_order(__m256i v) {
 // 4-bit weights: the whole panel (both 8-row halves, 4 k per 32-bit lane of a ymm) for one or two tokens
 // at a time: each unpacked weight vector meets the tokens' activation words (both planes; each word
 // broadcast once per block, straight from memory) and is dropped, the running sums kept chains (in_order):
-// per token 2 x planes sums, no spills (three tokens would need more than the 16 ymm registers). The int16
+// per token 2 x planes sums, no spills (with two planes, three tokens would need more than the 16 ymm
+// registers; one int8 plane fits four: 8 sums, 4 weight vectors, 2 broadcasts). The int16
 // pair sums of all 8 chunks of a block accumulate before one widening (8 x 2 x 15 x 127 < 2^15). Two-plane
 // activations (int12, int16) keep a sum per plane and combine them per block. The float sums are locals
 // (registers for one token; GCC keeps two tokens' on the stack), the block's scales and the group's
 // biases loaded once for all tokens: acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
-// tile() runs 3 and 4 tokens as pairs: broadcasting a word once per half, as the 8-bit tile below does,
-// cost 7-15% at 8-32 tokens (docs/quantized-kernels.md, "AVX2 on an AVX2-only CPU").
+// tile() runs 3 and 4 tokens of two-plane activations as pairs: broadcasting a word once per half, as the
+// 8-bit tile below does, cost 7-15% at 8-32 tokens (docs/quantized-kernels.md, "AVX2 on an AVX2-only CPU").
 template <int TT, bool F16S, int ACT>
 void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   const int K = w.K, groups = K / w.group_size, per_group = w.group_size / kActBlock, blocks = K / kActBlock;
@@ -421,11 +422,12 @@ void tile_8bit(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, flo
   }
 }
 
-// One panel x TT tokens (run_panels' tile): 4-bit weights in pairs of tokens, 8-bit in one pass.
+// One panel x TT tokens (run_panels' tile): 4-bit weights with int8 activations in one pass, with two
+// planes in pairs of tokens; 8-bit weights in one pass.
 template <int TT, int BITS, bool F16S, int ACT>
 void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float acc_out[][R]) {
   if constexpr (BITS == 4) {
-    if constexpr (TT <= 2) {
+    if constexpr (TT <= 2 || !act_two_planes(ACT)) {
       tile_both_halves<TT, F16S, ACT>(w, a, p, t0, acc_out);
     } else {
       tile_both_halves<2, F16S, ACT>(w, a, p, t0, acc_out);
