@@ -41,8 +41,8 @@ ENVIRONMENT = (
              "through the CPU kernels (reference: MLX's quantized_matmul; on CPU the loader then dequantizes)"),
     Variable("METRALE_QMM_ACTIVATIONS", "kernels.qmm_activations", "int12", "int12, int16, int8, or auto (int8 "
              "for calls of 16+ token rows: prompt chunks): activation precision of the quantized matmul kernels "
-             "(int12: 1.2-1.3x int16 on AMX, 16x finer than int8; int16: 16x finer than int12; int8 is faster and "
-             "flips some greedy tokens; "
+             "(int12: 1.2-1.3x int16 on AMX, 16x finer than int8; int16: 16x finer than int12; int8, llama.cpp's "
+             "arithmetic, is faster (1.6-1.7x int12 on AVX2-only CPUs) and flips some greedy tokens; "
              "auto also makes outputs depend on batching)"),
     Variable("METRALE_CPU_ISA", "kernels.cpu_isa", "auto", "auto, scalar, avx2, avx512 or avx512_amx "
              "(x86-64), neon or neon_dotprod (arm64) (AMX int8 tiles for prompt chunks; avx512 turns "
