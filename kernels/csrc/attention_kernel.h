@@ -180,6 +180,18 @@ struct TileRows<int8_t> {
   }
 };
 
+// Rows to request into L2 while a tile is computed: keys [0, n) of the next tile of the same kv head, K and V,
+// `row_bytes` each at k + rows[i] and v + rows[i] (pool element offsets of T). attend_block requests one key's
+// rows per key it scores, so the requests spread over the work.
+template <typename T>
+struct NextRows {
+  const T* k;
+  const T* v;
+  const int64_t* rows;
+  int n;
+  int64_t row_bytes;
+};
+
 // One tile's n keys against REP query heads of one kv head, online softmax (flash style):
 //   s[r, t] = qs[r] . K[t]                 qs pre-scaled (REP, hd)
 //   m' = max(m, max_t s), p = e^(s - m'), l = l e^(m - m') + sum_t p, acc = acc e^(m - m') + p V
@@ -187,9 +199,10 @@ struct TileRows<int8_t> {
 // a time. Scores come in groups of KPG keys: the KPG x REP dot products of a group are reduced together
 // (reduce8) into one vector of 8 lanes, lane i = (key i / REP, head i % REP), stored at s + 8 x group
 // (scratch (groups, 8)); the value accumulators of one W-column chunk stay in registers over the block.
+// Scoring key t also requests next's row t (NextRows).
 template <typename T, int REP, int W>
 void attend_block(int hd, const float* qs, TileRows<T> k, TileRows<T> v, int n, float* acc, float* m, float* l,
-                  float* s, int group) noexcept {
+                  float* s, int group, NextRows<T> next) noexcept {
   using V = typename VecOf<W>::type;
   constexpr int KPG = REP >= 8 ? 1 : 8 / REP, LANES = KPG * REP;
   const int chunks = hd / W;
@@ -200,6 +213,11 @@ void attend_block(int hd, const float* qs, TileRows<T> k, TileRows<T> v, int n, 
   v8f top = neg_inf;  // lane-wise max of the scores
   for (int t0 = 0; t0 < n; t0 += KPG) {
     const int keys = min_of(KPG, n - t0);
+    for (int i = t0; i < t0 + KPG && i < next.n; ++i) {  // written out: a member function ran 2x slower (GCC 12)
+      const char* pk = reinterpret_cast<const char*>(next.k + next.rows[i]);
+      const char* pv = reinterpret_cast<const char*>(next.v + next.rows[i]);
+      for (int64_t off = 0; off < next.row_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2), __builtin_prefetch(pv + off, 0, 2);
+    }
     V a[LANES] = {};
     for (int c = 0; c < chunks; ++c)
       for (int i = 0; i < KPG; ++i) {
@@ -263,9 +281,7 @@ void attend_block(int hd, const float* qs, TileRows<T> k, TileRows<T> v, int n, 
 }
 
 // Prefetches the rows of one kv head (base = the pool + the head's offset) of n keys (rows: their offsets)
-// into L2 (LOCALITY 2) or L1 (3). The blocks of a sequence sit at random places, which the hardware
-// prefetchers cannot guess; rows are requested one kv head at a time, spread over the work (requesting a
-// whole block at once stalls on the line fill buffers: measured ~1.6x slower).
+// into L2 (LOCALITY 2) or L1 (3): the first tile's, before any work (later tiles: NextRows).
 template <int LOCALITY, typename T>
 inline void prefetch_rows(const T* base, const int64_t* rows, int n, int64_t row_bytes) noexcept {
   for (int t = 0; t < n; ++t) {
@@ -291,7 +307,7 @@ inline void slot_offsets(const int32_t* table, int bs, int64_t row_stride, int t
 template <typename T>
 void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table,
                   int key_begin, int key_end, float* acc, float* ml, float* scratch, bool normalize) noexcept {
-  using Fn = void (*)(int, const float*, TileRows<T>, TileRows<T>, int, float*, float*, float*, float*, int);
+  using Fn = void (*)(int, const float*, TileRows<T>, TileRows<T>, int, float*, float*, float*, float*, int, NextRows<T>);
   static constexpr Fn narrow[] = {attend_block<T, 1, 8>, attend_block<T, 2, 8>, attend_block<T, 3, 8>,
                                   attend_block<T, 4, 8>, attend_block<T, 5, 8>, attend_block<T, 6, 8>,
                                   attend_block<T, 7, 8>, attend_block<T, 8, 8>};
@@ -321,19 +337,17 @@ void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp
     if (next_n > 0) slot_offsets(table, bs, row_stride, next_t, next_n, offsets[cur ^ 1]);
     for (int g = 0; g < dm.n_kv; ++g) {
       const int64_t g_off = static_cast<int64_t>(g) * dm.kv_row;
-      // rows needed next, requested while this kv head's are computed: this tile's rows of the next
-      // head (into L1), the next tile's rows of this head (into L2)
-      if (g + 1 < dm.n_kv) {
-        prefetch_rows<3>(kp + g_off + dm.kv_row, offsets[cur], n, row_bytes);
-        prefetch_rows<3>(vp + g_off + dm.kv_row, offsets[cur], n, row_bytes);
-      }
-      prefetch_rows<2>(kp + g_off, offsets[cur ^ 1], next_n, row_bytes);
-      prefetch_rows<2>(vp + g_off, offsets[cur ^ 1], next_n, row_bytes);
       const TileRows<T> k{kp + g_off, offsets[cur], scales};
       const TileRows<T> v{vp + g_off, offsets[cur], scales};
+      // The next tile's rows of this kv head go to L2 while this one is computed, one key's per key scored.
+      // A head's rows sit a slot apart (a power of two, e.g. 1 KiB): they share few L1 sets, so requesting
+      // the next head's rows into L1 ahead of time evicted this head's (Zen 3, 1B shape: 1.3-1.9x slower
+      // from memory, docs/attention.md).
+      const NextRows<T> next{kp + g_off, vp + g_off, offsets[cur ^ 1], next_n, row_bytes};
+      const NextRows<T> none{kp, vp, offsets[cur], 0, row_bytes};
       for (int r0 = 0; r0 < rep; r0 += kDecodeScratchRows) {
         const int h = g * rep + r0, width = min_of(kDecodeScratchRows, rep - r0);
-        by_width[width - 1](hd, qs + h * hd, k, v, n, acc + h * hd, m + h, l + h, s, dm.q8_group);
+        by_width[width - 1](hd, qs + h * hd, k, v, n, acc + h * hd, m + h, l + h, s, dm.q8_group, r0 == 0 ? next : none);
       }
     }
     t = next_t, n = next_n, cur ^= 1;
