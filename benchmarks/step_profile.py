@@ -81,7 +81,8 @@ def block_tables(runner: ModelRunner, batch: int, context: int, chunk: int) -> l
 def profiled_step(runner: ModelRunner, batch: int, context: int, chunk: int) -> StepInput:
     """`batch` sequences, each `chunk` new tokens after `context` cached ones, each sampled at its last row."""
     tables = block_tables(runner, batch, context, chunk)
-    scheduled = tuple(ScheduledRequest(f"r{s}", tuple(100 + (s + i) % 1000 for i in range(chunk)), context, tables[s],
+    vocab = runner.model_config.vocab_size
+    scheduled = tuple(ScheduledRequest(f"r{s}", tuple((100 + s + i) % vocab for i in range(chunk)), context, tables[s],
                                        True) for s in range(batch))
     out = SchedulerOutput(scheduled, batch * chunk, (), runner.kv_cache.block_size)
     params = SamplingParams(temperature=0, max_tokens=1)

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_step_profile_splits_a_prompt_chunk():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--batch", "2", "--chunk", "8",
-                          "--context", "16", "--repeat", "1", "--kv-cache-mib", "64"],
+def test_step_profile_splits_a_prompt_chunk(tiny_model):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--model", tiny_model,
+                          "--batch", "2", "--chunk", "8", "--context", "16", "--repeat", "1", "--kv-cache-mib", "64"],
                          check=True, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     profile = json.loads(out.stdout)
     assert (profile["batch"], profile["context"], profile["chunk"]) == (2, 16, 8)
