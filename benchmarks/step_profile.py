@@ -99,19 +99,29 @@ def sampled_rows(step: StepInput) -> list[int]:
     return rows
 
 
+def step_inputs(runner: ModelRunner, step: StepInput) -> tuple[mx.array, AttentionMetadata]:
+    """The runner's host work before the model: the flat token array and the step's attention metadata."""
+    scheduled = step.scheduler_output.scheduled
+    metadata = AttentionMetadata.build([len(s.token_ids) for s in scheduled],
+                                       [s.start_position + len(s.token_ids) for s in scheduled],
+                                       [s.block_table for s in scheduled], runner.kv_cache.block_size)
+    return mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32), metadata
+
+
+def step_logits(runner: ModelRunner, step: StepInput, token_ids: mx.array, metadata: AttentionMetadata) -> mx.array:
+    """The step's lazy graph: the forward and the logits of the sampled rows."""
+    hidden = runner.model(token_ids, metadata.positions, runner.kv_cache, metadata)
+    return runner.model.compute_logits(hidden[mx.array(sampled_rows(step), dtype=mx.int32)])
+
+
 def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, float]:
     """The runner's step split in host / graph / eval / sample (mirrors ModelRunner.execute)."""
     best: dict[str, float] = {}
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        scheduled = step.scheduler_output.scheduled
-        metadata = AttentionMetadata.build([len(s.token_ids) for s in scheduled],
-                                           [s.start_position + len(s.token_ids) for s in scheduled],
-                                           [s.block_table for s in scheduled], runner.kv_cache.block_size)
-        token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)
+        token_ids, metadata = step_inputs(runner, step)
         t1 = time.perf_counter()
-        hidden = runner.model(token_ids, metadata.positions, runner.kv_cache, metadata)
-        logits = runner.model.compute_logits(hidden[mx.array(sampled_rows(step), dtype=mx.int32)])
+        logits = step_logits(runner, step, token_ids, metadata)
         t2 = time.perf_counter()
         mx.eval(logits, runner._pools())
         t3 = time.perf_counter()
@@ -123,13 +133,7 @@ def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, floa
 
 
 def graph_nodes(runner: ModelRunner, step: StepInput) -> tuple[int, dict[str, int]]:
-    scheduled = step.scheduler_output.scheduled
-    metadata = AttentionMetadata.build([len(s.token_ids) for s in scheduled],
-                                       [s.start_position + len(s.token_ids) for s in scheduled],
-                                       [s.block_table for s in scheduled], runner.kv_cache.block_size)
-    token_ids = mx.array([t for s in scheduled for t in s.token_ids], dtype=mx.int32)
-    hidden = runner.model(token_ids, metadata.positions, runner.kv_cache, metadata)
-    logits = runner.model.compute_logits(hidden[mx.array(sampled_rows(step), dtype=mx.int32)])
+    logits = step_logits(runner, step, *step_inputs(runner, step))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "step.dot")
         mx.export_to_dot(path, logits, *runner._pools())

@@ -180,6 +180,16 @@ struct TileRows<int8_t> {
   }
 };
 
+// Requests the rows of one kv head (base = the pool + the head's offset) of n keys (rows: their offsets)
+// into L2: the first tile's before any work, later tiles' a key at a time (NextRows).
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* rows, int n, int64_t row_bytes) noexcept {
+  for (int t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(base + rows[t]);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+  }
+}
+
 // Rows to request into L2 while a tile is computed: keys [0, n) of the next tile of the same kv head, K and V,
 // `row_bytes` each at k + rows[i] and v + rows[i] (pool element offsets of T). attend_block requests one key's
 // rows per key it scores, so the requests spread over the work.
@@ -213,11 +223,9 @@ void attend_block(int hd, const float* qs, TileRows<T> k, TileRows<T> v, int n, 
   v8f top = neg_inf;  // lane-wise max of the scores
   for (int t0 = 0; t0 < n; t0 += KPG) {
     const int keys = min_of(KPG, n - t0);
-    for (int i = t0; i < t0 + KPG && i < next.n; ++i) {  // written out: a member function ran 2x slower (GCC 12)
-      const char* pk = reinterpret_cast<const char*>(next.k + next.rows[i]);
-      const char* pv = reinterpret_cast<const char*>(next.v + next.rows[i]);
-      for (int64_t off = 0; off < next.row_bytes; off += 64) __builtin_prefetch(pk + off, 0, 2), __builtin_prefetch(pv + off, 0, 2);
-    }
+    const int ahead = min_of(KPG, next.n - t0);  // none once past the next tile's keys
+    prefetch_rows(next.k, next.rows + t0, ahead, next.row_bytes);
+    prefetch_rows(next.v, next.rows + t0, ahead, next.row_bytes);
     V a[LANES] = {};
     for (int c = 0; c < chunks; ++c)
       for (int i = 0; i < KPG; ++i) {
@@ -280,16 +288,6 @@ void attend_block(int hd, const float* qs, TileRows<T> k, TileRows<T> v, int n, 
   }
 }
 
-// Prefetches the rows of one kv head (base = the pool + the head's offset) of n keys (rows: their offsets)
-// into L2 (LOCALITY 2) or L1 (3): the first tile's, before any work (later tiles: NextRows).
-template <int LOCALITY, typename T>
-inline void prefetch_rows(const T* base, const int64_t* rows, int n, int64_t row_bytes) noexcept {
-  for (int t = 0; t < n; ++t) {
-    const char* p = reinterpret_cast<const char*>(base + rows[t]);
-    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, LOCALITY);
-  }
-}
-
 // The pool offsets (elements) of keys [t, t + n)'s rows (kv head 0), walking the block table.
 inline void slot_offsets(const int32_t* table, int bs, int64_t row_stride, int t, int n, int64_t* rows) noexcept {
   int j = t / bs, o = t % bs;
@@ -330,8 +328,8 @@ void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp
   int64_t offsets[2][kDecodeTileKeys];  // this tile's and the next one's row offsets
   int t = key_begin, n = min_of(kDecodeTileKeys, key_end - t), cur = 0;
   slot_offsets(table, bs, row_stride, t, n, offsets[cur]);
-  prefetch_rows<2>(kp, offsets[cur], n, row_bytes);
-  prefetch_rows<2>(vp, offsets[cur], n, row_bytes);
+  prefetch_rows(kp, offsets[cur], n, row_bytes);
+  prefetch_rows(vp, offsets[cur], n, row_bytes);
   while (n > 0) {
     const int next_t = t + n, next_n = min_of(kDecodeTileKeys, key_end - next_t);
     if (next_n > 0) slot_offsets(table, bs, row_stride, next_t, next_n, offsets[cur ^ 1]);
@@ -343,11 +341,10 @@ void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp
       // A head's rows sit a slot apart (a power of two, e.g. 1 KiB): they share few L1 sets, so requesting
       // the next head's rows into L1 ahead of time evicted this head's (Zen 3, 1B shape: 1.3-1.9x slower
       // from memory, docs/attention.md).
-      const NextRows<T> next{kp + g_off, vp + g_off, offsets[cur ^ 1], next_n, row_bytes};
-      const NextRows<T> none{kp, vp, offsets[cur], 0, row_bytes};
       for (int r0 = 0; r0 < rep; r0 += kDecodeScratchRows) {
         const int h = g * rep + r0, width = min_of(kDecodeScratchRows, rep - r0);
-        by_width[width - 1](hd, qs + h * hd, k, v, n, acc + h * hd, m + h, l + h, s, dm.q8_group, r0 == 0 ? next : none);
+        const NextRows<T> next{kp + g_off, vp + g_off, offsets[cur ^ 1], r0 == 0 ? next_n : 0, row_bytes};
+        by_width[width - 1](hd, qs + h * hd, k, v, n, acc + h * hd, m + h, l + h, s, dm.q8_group, next);
       }
     }
     t = next_t, n = next_n, cur ^= 1;
