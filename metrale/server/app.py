@@ -134,8 +134,13 @@ class ServerApp:
         return self._unknown_fields
 
     def health(self) -> str:
-        """"serving" | "loading" | "draining" | "unhealthy" | "stopped"."""
-        return "unhealthy" if self.startup_error is not None else self.models.health()
+        """"serving" | "loading" | "draining" | "unhealthy" | "stopped". Loading until the startup task has
+        also registered the --lora-modules adapters: a client that waits for "serving" finds them all."""
+        if self.startup_error is not None:
+            return "unhealthy"
+        if self._start_task is not None and not self._start_task.done():
+            return "loading"
+        return self.models.health()
 
     def force_stop(self) -> None:
         """Abort every open request now (a forced exit): each stream ends with an error event."""

@@ -4,6 +4,7 @@ and a real `metrale serve --lora-modules` (the engine process) answering for its
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from metrale.errors import InvalidLoraAdapterError
 from metrale.server.lora import LoraModule, parse_lora_module, register
 from tests.metrale.engine_helpers import assert_clean, wait_idle
 from tests.metrale.lora_helpers import random_adapter, write_mlx_adapter, write_peft_adapter
-from tests.server.fakes import call
+from tests.server.fakes import FakeEngine, call
 from tests.server.serve import ServerProcess
 from tests.server.tiny_engine import engine  # noqa: F401 (a fixture)
 
@@ -128,6 +129,48 @@ def test_lora_modules_flag_takes_name_path_and_vllm_json():
     for bad in ("sql", "=/a", '{"name": "x"}', '{"name": "x", "path": "/a", "other": 1}', "{bad json"):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_module(bad)
+
+
+class GatedLoraEngine(FakeEngine):
+    """A started engine whose add_lora waits for `gate`: startup adapter registration that takes a while."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.loras: dict[str, str] = {}
+
+    async def add_lora(self, name: str, path: str) -> None:
+        await self.gate.wait()
+        self.loras[name] = path
+
+    def list_loras(self) -> dict[str, str]:
+        return dict(self.loras)
+
+
+async def test_health_is_loading_until_the_startup_adapters_are_registered():
+    """A server whose engine runs but whose --lora-modules are still being registered must not say "serving":
+    a client waiting for /health would find only some of them (seen on a busy machine)."""
+    engine = GatedLoraEngine()
+    app = ServerApp(engine, lora_modules=(LoraModule("A", "/a"), LoraModule("B", "/b")))
+    lifespan: asyncio.Queue = asyncio.Queue()
+    sent: asyncio.Queue = asyncio.Queue()
+    await lifespan.put({"type": "lifespan.startup"})
+    runner = asyncio.create_task(app({"type": "lifespan"}, lifespan.get, sent.put))
+    assert (await asyncio.wait_for(sent.get(), 30))["type"] == "lifespan.startup.complete"
+    await asyncio.wait_for(_until(lambda: engine.state == "serving"), 30)  # the engine itself is up
+    r = await call(app, "GET", "/health")
+    assert r.status == 503 and r.json() == {"status": "loading"}
+    engine.gate.set()
+    await asyncio.wait_for(app._start_task, 30)
+    r = await call(app, "GET", "/health")
+    assert r.status == 200 and engine.list_loras() == {"A": "/a", "B": "/b"}
+    await lifespan.put({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(runner, 30)
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
 
 
 def test_served_with_lora_modules_in_the_engine_process(tiny_model, adapters):
