@@ -63,7 +63,7 @@ def make_batch(rng, num_decode, context, chunks, block_size, num_blocks):
 def decode_kv_bytes(cache, context_lens, num_decode):
     """Bytes of K and V one layer's decode rows read: every context slot's row in both pools."""
     k_pool, _ = cache.layer(0)
-    row = k_pool.shape[1] * k_pool.shape[2] * k_pool.dtype.size  # n_kv rows of one slot
+    row = k_pool.shape[1] * k_pool.shape[3] * k_pool.dtype.size  # n_kv rows of one slot
     return 2 * row * sum(context_lens[:num_decode])
 
 
@@ -95,7 +95,7 @@ def run_case(name, args, num_decode, chunks, backends):
     for layer in range(args.layers):  # fill the pools with random data (not timed)
         k_pool, v_pool = cache.layer(layer)
         for pool in (k_pool, v_pool):
-            values = mx.random.normal((*pool.shape[:2], hd))  # (num_slots, n_kv, hd)
+            values = mx.random.normal((*pool.shape[:3], hd))  # (num_blocks, n_kv, block_size, hd)
             pool[:] = quantized.quantize(values) if pool.dtype == mx.int8 else values.astype(pool.dtype)
     mx.eval([cache.layer(i) for i in range(args.layers)])
     queries = [mx.random.normal((num_tokens, n_heads, hd)) for _ in range(args.layers)]  # each (T, H, hd)

@@ -61,8 +61,8 @@ def bench(shape: str, contexts: list[int], chunk: int, kv_dtype: str, repeat: in
     n_heads, n_kv, hd = SHAPES[shape]
     block = 16
     slots = max(contexts)
-    pool_k = mx.random.normal((slots, n_kv, hd)).astype(getattr(mx, kv_dtype))
-    pool_v = mx.random.normal((slots, n_kv, hd)).astype(getattr(mx, kv_dtype))
+    pool_k = mx.random.normal((slots // block, n_kv, block, hd)).astype(getattr(mx, kv_dtype))  # kvcache/storage.py
+    pool_v = mx.random.normal((slots // block, n_kv, block, hd)).astype(getattr(mx, kv_dtype))
     table = mx.arange(slots // block, dtype=mx.int32)
     mx.eval(pool_k, pool_v, table)
     rows = []

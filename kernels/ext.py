@@ -75,7 +75,7 @@ def _configured(module, settings: KernelSettings):
 
 def _smoke_test(module, mx) -> bool:
     """One tiny call: a nanobind ABI that differs from mlx's shows up here as a TypeError."""
-    pool = mx.ones((4, 1, 8))  # (num_slots, n_kv_heads, head_dim)
+    pool = mx.ones((1, 1, 4, 8))  # (num_blocks, n_kv_heads, block_size, head_dim)
     try:
         out = module.paged_decode(mx.ones((1, 2, 8)), pool, pool, mx.zeros((1, 1), dtype=mx.int32),
                                   mx.array([3], dtype=mx.int32), scale=1.0, block_size=4, window=0)
@@ -147,7 +147,7 @@ def _module():
 def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, *, scale, block_size, window):
     """Decode attention read straight from the pools (kernels/csrc/paged_decode.cpp).
 
-    queries (B, n_heads, hd), pools (num_slots, n_kv_heads, hd), block_tables (B, max_blocks)
+    queries (B, n_heads, hd), pools (num_blocks, n_kv_heads, block_size, hd), block_tables (B, max_blocks)
     int32, context_lens (B,) int32; window 0 means none. Returns (B, n_heads, hd). Needs load().
     """
     return _module().paged_decode(
@@ -165,7 +165,7 @@ def has_paged_prefill() -> bool:
 def paged_prefill(queries, k_pool, v_pool, block_table, *, first_position, scale, block_size, window):
     """Prefill attention of one sequence's chunk read straight from the pools, flash style
     (kernels/csrc/paged_prefill.cpp): queries (q_len, n_heads, hd) at positions first_position..,
-    pools (num_slots, n_kv_heads, hd), block_table (max_blocks,) int32; window 0 means none.
+    pools (num_blocks, n_kv_heads, block_size, hd), block_table (max_blocks,) int32; window 0 means none.
     Returns (q_len, n_heads, hd) float32. Needs load()."""
     return _module().paged_prefill(
         queries, k_pool, v_pool, block_table,

@@ -36,6 +36,7 @@ from kernels import ext
 from kernels.backend import attention_backend
 from kernels.runtime import mx
 from kvcache import quantized
+from kvcache.storage import pool_rows
 
 __all__ = ["AttentionMetadata", "DecodeRun", "PrefillChunk", "gathered_values", "paged_attention"]
 
@@ -197,8 +198,8 @@ class AttentionMetadata:
         return len(self._cache)
 
     def decode_gather(self, window: int | None, n_kv: int) -> tuple[mx.array, mx.array | None]:
-        """Flat K/V row indices (B, n_kv, L) into a (num_slots * n_kv, head_dim) view, and a mask
-        (B, 1, 1, L) bool (None when every row uses all L keys)."""
+        """Flat K/V row indices (B, n_kv, L) into a pool's rows (`flat_rows`), and a mask (B, 1, 1, L) bool
+        (None when every row uses all L keys)."""
         ctx = self.decode_context_lens_np  # (B,)
         n_keys = ctx if window is None else np.minimum(ctx, window)  # (B,)
         length = int(n_keys.max())
@@ -208,14 +209,14 @@ class AttentionMetadata:
         pos = np.where(valid, pos, 0)
         table = self.decode_block_tables_np
         slots = np.take_along_axis(table, pos // self.block_size, axis=1) * self.block_size + pos % self.block_size
-        rows = slots[:, None, :] * n_kv + np.arange(n_kv)[None, :, None]  # (B, n_kv, L)
+        rows = pool_rows(slots, n_kv, self.block_size).transpose(0, 2, 1)  # (B, n_kv, L)
         mask = None if valid.all() else mx.array(valid[:, None, None, :])  # (B, 1, 1, L) bool
         return mx.array(rows.astype(np.int32)), mask
 
     def chunk_gather(self, chunk: PrefillChunk, window: int | None, n_kv: int) -> tuple[mx.array, int]:
         """Flat K/V row indices (1, n_kv, L) of `chunk`'s visible keys and the position of the first."""
         start = 0 if window is None else max(0, chunk.first_position - window + 1)
-        rows = chunk.slots(start)[None, None, :] * n_kv + np.arange(n_kv)[None, :, None]  # (1, n_kv, L)
+        rows = pool_rows(chunk.slots(start), n_kv, self.block_size).T[None]  # (1, n_kv, L)
         return mx.array(rows.astype(np.int32)), start
 
     def chunk_mask(self, chunk: PrefillChunk, window: int | None, start: int) -> mx.array:
@@ -231,8 +232,9 @@ class AttentionMetadata:
         return mx.array(allowed)
 
 
-def _flat(pool: mx.array) -> mx.array:
-    return pool.reshape(pool.shape[0] * pool.shape[1], pool.shape[2])  # (num_slots * n_kv_heads, row_width)
+def flat_rows(pool: mx.array) -> mx.array:
+    """A pool's rows (num_blocks * n_kv_heads * block_size, row_width), indexed by kvcache.storage.pool_rows."""
+    return pool.reshape(-1, pool.shape[-1])
 
 
 def gathered_values(rows: mx.array, head_dim: int, dtype: mx.Dtype) -> mx.array:
@@ -246,8 +248,8 @@ def _decode_reference(queries, k_pool, v_pool, md, scale, window):
     """queries (B, n_heads, hd) -> (B, n_heads, hd), one sdpa padded to the longest context."""
     n_kv, hd = k_pool.shape[1], queries.shape[2]
     rows, mask = md.cached(("decode", window, n_kv), lambda: md.decode_gather(window, n_kv))
-    keys = gathered_values(_flat(k_pool)[rows], hd, queries.dtype)  # (B, n_kv, L, hd)
-    values = gathered_values(_flat(v_pool)[rows], hd, queries.dtype)  # (B, n_kv, L, hd)
+    keys = gathered_values(flat_rows(k_pool)[rows], hd, queries.dtype)  # (B, n_kv, L, hd)
+    values = gathered_values(flat_rows(v_pool)[rows], hd, queries.dtype)  # (B, n_kv, L, hd)
     out = mx.fast.scaled_dot_product_attention(queries[:, :, None, :], keys, values, scale=scale, mask=mask)
     return out.reshape(queries.shape)  # (B, n_heads, hd)
 
@@ -288,8 +290,8 @@ def _chunk_gathered(queries, k_pool, v_pool, md, chunk, scale, window, use_kerne
     q_len, n_heads, head_dim = queries.shape
     q = queries.transpose(1, 0, 2)  # (n_heads, q_len, hd)
     wide = mx.float32 if use_kernel else queries.dtype
-    keys = gathered_values(_flat(k_pool)[rows], head_dim, wide)  # (1, n_kv, L, hd)
-    values = gathered_values(_flat(v_pool)[rows], head_dim, wide)  # (1, n_kv, L, hd)
+    keys = gathered_values(flat_rows(k_pool)[rows], head_dim, wide)  # (1, n_kv, L, hd)
+    values = gathered_values(flat_rows(v_pool)[rows], head_dim, wide)  # (1, n_kv, L, hd)
     if use_kernel:
         grouped = (q.astype(mx.float32) * scale).reshape(n_kv, -1, head_dim)  # (n_kv, rep * q_len, hd)
         scores = (grouped @ keys[0].swapaxes(1, 2)).reshape(n_heads, q_len, -1)  # (n_heads, q_len, L)
@@ -312,8 +314,9 @@ def paged_attention(
 ) -> mx.array:
     """Attention of this step's queries over each sequence's paged context.
 
-    queries: (T, n_heads, head_dim); k_pool, v_pool: (num_slots, n_kv_heads, row_width) already
-    holding this step's K/V (row_width: head_dim, or an int8 q8 pool's quantized.row_width); n_heads a multiple of n_kv_heads (GQA). A query at position p sees
+    queries: (T, n_heads, head_dim); k_pool, v_pool: (num_blocks, n_kv_heads, block_size, row_width) already
+    holding this step's K/V (kvcache/storage.py; row_width: head_dim, or an int8 q8 pool's quantized.row_width);
+    n_heads a multiple of n_kv_heads (GQA). A query at position p sees
     positions p - sliding_window < k <= p. Returns (T, n_heads, head_dim) in the queries' dtype.
     With the C++ kernels (metadata.backend "kernel"; head_dim a multiple of 8, at most 256) decode
     rows and prefill chunks read the pools directly (float32 out); else the reference.
@@ -322,18 +325,19 @@ def paged_attention(
     if queries.ndim != 3 or queries.shape[0] != md.num_tokens:
         raise ValueError(f"queries {tuple(queries.shape)} must be (T={md.num_tokens}, n_heads, head_dim)")
     width = quantized.row_width(queries.shape[2]) if k_pool.dtype == mx.int8 else queries.shape[2]
-    if k_pool.shape != v_pool.shape or k_pool.ndim != 3 or k_pool.shape[2] != width or k_pool.dtype != v_pool.dtype:
+    if (k_pool.shape != v_pool.shape or k_pool.ndim != 4 or k_pool.shape[3] != width or k_pool.dtype != v_pool.dtype
+            or k_pool.shape[2] != md.block_size):
         raise ValueError(
-            f"pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not fit queries {tuple(queries.shape)}"
+            f"pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not fit queries {tuple(queries.shape)} "
+            f"in blocks of {md.block_size}"
         )
     if queries.shape[1] % k_pool.shape[1]:
         raise ValueError(f"n_heads {queries.shape[1]} is not a multiple of n_kv_heads {k_pool.shape[1]}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-    if (md.max_block_id + 1) * md.block_size > k_pool.shape[0]:
+    if md.max_block_id >= k_pool.shape[0]:
         raise ValueError(
-            f"block id {md.max_block_id} is outside the pool of {k_pool.shape[0] // md.block_size} "
-            f"blocks of {md.block_size}"
+            f"block id {md.max_block_id} is outside the pool of {k_pool.shape[0]} blocks of {md.block_size}"
         )
 
     head_dim = queries.shape[2]

@@ -1,6 +1,6 @@
 """The q8 KV row format (EngineConfig.kv_cache_dtype="int8"), and its plain-MLX quantize / dequantize.
 
-An int8 pool is (num_slots, n_kv_heads, row_width(head_dim)) int8: each (slot, kv head) row holds the
+An int8 pool is (num_blocks, n_kv_heads, block_size, row_width(head_dim)) int8: each (kv head, slot) row holds the
 head vector's head_dim values as int8, then one float16 scale per group of group_size(head_dim) values
 (its two bytes, little-endian), llama.cpp's q8_0 laid out per head vector:
 

@@ -1,10 +1,14 @@
 """Paged KV storage: one preallocated K pool and one V pool per layer, with a fixed footprint.
 
-A pool is a flat array of token slots, `(num_blocks * block_size, n_kv_heads, head_dim)`. Block
-`b` owns slots `b * block_size .. (b + 1) * block_size - 1`; which blocks a sequence owns is the
-KV manager's business (kvcache/manager.py), this module only stores and returns arrays.
+A pool is `(num_blocks, n_kv_heads, block_size, head_dim)`: each kv head's rows of a block are one
+contiguous run, so attention reads a head's keys of a block in one stream (a layout of (slot, kv head)
+rows put them a slot apart: decode attention from memory took 1.3-1.55x the cycles, docs/attention.md;
+the kernels' side of the layout is kv_row_offset in kernels/csrc/kernel_table.h). Token slots number the
+blocks' rows: block `b` owns slots `b * block_size .. (b + 1) * block_size - 1`; which blocks a sequence
+owns is the KV manager's business (kvcache/manager.py), this module only stores and returns arrays.
 
     slot = block_table[pos // block_size] * block_size + pos % block_size
+    the slot's row of kv head g: pool[slot // block_size, g, slot % block_size]
 
 Writing in place. MLX arrays are functional, yet `pool[slot_mapping] = keys` does not copy the
 pool: the scatter donates its input buffer to its output when nothing else holds the old array,
@@ -21,16 +25,25 @@ from an earlier `layer()` call keeps the old contents and makes that write copy 
 
 from __future__ import annotations
 
+import numpy as np
+
 from kernels import ext
 from kernels.backend import attention_backend
 from kernels.runtime import mx
 from kvcache import quantized
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "pool_rows"]
+
+
+def pool_rows(slots: np.ndarray, n_kv_heads: int, block_size: int) -> np.ndarray:
+    """Row indices (..., n_kv_heads, ...) of `slots` (...) into a pool viewed as (num_blocks * n_kv_heads *
+    block_size, row_width): [..., g] is kv head g's row of each slot, the kv head axis inserted last."""
+    blocks, offsets = np.divmod(slots.astype(np.int64), block_size)
+    return (blocks[..., None] * n_kv_heads + np.arange(n_kv_heads)) * block_size + offsets[..., None]
 
 
 class PagedKVCache:
-    """Per-layer K and V pools of shape `(num_blocks * block_size, n_kv_heads, row_width)`.
+    """Per-layer K and V pools of shape `(num_blocks, n_kv_heads, block_size, row_width)`.
 
     row_width is head_dim for float32 / float16 / bfloat16 pools; an mx.int8 pool is q8 (kvcache/quantized.py:
     head_dim int8 values then float16 scales per row, row_width = quantized.row_width(head_dim)), quantized as
@@ -63,8 +76,8 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.row_width = self.row_width_of(head_dim, dtype)
-        shape = (self.num_slots, n_kv_heads, self.row_width)
-        # one K and one V pool per layer, each (num_slots, n_kv_heads, row_width)
+        shape = (num_blocks, n_kv_heads, block_size, self.row_width)
+        # one K and one V pool per layer, each (num_blocks, n_kv_heads, block_size, row_width)
         self._keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self._values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self._keys, self._values)  # allocate now: the footprint is fixed from the start
@@ -73,7 +86,7 @@ class PagedKVCache:
 
     @staticmethod
     def row_width_of(head_dim: int, dtype: mx.Dtype) -> int:
-        """Elements of one (slot, kv head) row: head_dim, or for int8 (q8) the values and their scales' bytes.
+        """Elements of one (kv head, slot) row: head_dim, or for int8 (q8) the values and their scales' bytes.
         ValueError for a dtype the pools cannot hold."""
         if dtype == mx.int8:
             return quantized.row_width(head_dim)
@@ -128,7 +141,7 @@ class PagedKVCache:
         return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
 
     def layer(self, layer: int) -> tuple[mx.array, mx.array]:
-        """The (k_pool, v_pool) of `layer`, each (num_slots, n_kv_heads, row_width)."""
+        """The (k_pool, v_pool) of `layer`, each (num_blocks, n_kv_heads, block_size, row_width)."""
         return self._keys[layer], self._values[layer]
 
     def write(
@@ -167,8 +180,9 @@ class PagedKVCache:
             self._keys[layer] = self._kv_write(self._keys[layer], keys, slot_mapping)
             self._values[layer] = self._kv_write(self._values[layer], values, slot_mapping)
         else:
-            self._keys[layer][slot_mapping] = keys  # (num_slots, n_kv_heads, row_width)
-            self._values[layer][slot_mapping] = values  # (num_slots, n_kv_heads, row_width)
+            blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size  # (T,) each
+            self._keys[layer][blocks, :, offsets] = keys  # rows (T, n_kv_heads, row_width)
+            self._values[layer][blocks, :, offsets] = values
         return self._keys[layer], self._values[layer]
 
     def copy_blocks(self, copies: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
@@ -180,17 +194,16 @@ class PagedKVCache:
         for src, dst in copies:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks) or src == dst:
                 raise ValueError(f"block copy {src} -> {dst} is out of range for {self.num_blocks} blocks")
-        offsets = mx.arange(self.block_size, dtype=mx.int32)  # (block_size,)
-        src_slots = (mx.array([s for s, _ in copies], dtype=mx.int32)[:, None] * self.block_size + offsets).reshape(-1)
-        dst_slots = (mx.array([d for _, d in copies], dtype=mx.int32)[:, None] * self.block_size + offsets).reshape(-1)
-        # gathered first and evaluated (C * block_size rows per pool), so the scatters below can
-        # reuse their pools' buffers: nothing else still reads the old pools (see the module docstring)
-        keys = [pool[src_slots] for pool in self._keys]  # each (C * block_size, n_kv_heads, row_width)
-        values = [pool[src_slots] for pool in self._values]
+        src = mx.array([s for s, _ in copies], dtype=mx.int32)  # (C,)
+        dst = mx.array([d for _, d in copies], dtype=mx.int32)  # (C,)
+        # gathered first and evaluated (C blocks per pool), so the scatters below can reuse their pools'
+        # buffers: nothing else still reads the old pools (see the module docstring)
+        keys = [pool[src] for pool in self._keys]  # each (C, n_kv_heads, block_size, row_width)
+        values = [pool[src] for pool in self._values]
         mx.eval(keys, values)
         for layer in range(self.num_layers):
-            self._keys[layer][dst_slots] = keys[layer]
-            self._values[layer][dst_slots] = values[layer]
+            self._keys[layer][dst] = keys[layer]
+            self._values[layer][dst] = values[layer]
 
     def __repr__(self) -> str:
         return (

@@ -1,8 +1,8 @@
 // The CPU compute of paged decode attention, free of MLX graph code (paged_decode.cpp wraps it).
 //
-// One task per (sequence b, range of its keys), all query heads: the pool holds a block's rows of every
-// kv head contiguously (bs * n_kv rows), so a task reads whole blocks, in table order, prefetching the
-// next. Per block and kv head g, the rep = n_heads / n_kv_heads query heads of the group share every
+// One task per (sequence b, range of its keys), all query heads: the pool holds a block's rows of each kv
+// head contiguously (kv_row_offset, kernel_table.h), so a task reads whole blocks, in table order, prefetching
+// the next. Per block and kv head g, the rep = n_heads / n_kv_heads query heads of the group share every
 // K/V row (GQA, one read for all of them), online softmax over the blocks (flash decoding):
 //   s[h, t] = scale * q[b, h] . K[slot(t), g]      t in the task's keys, h in g's heads
 //   m = max_t s,  l = sum_t e^(s - m),  acc = sum_t e^(s - m) V[slot(t), g],  out = acc / l
@@ -288,11 +288,13 @@ void attend_block(int hd, const float* qs, TileRows<T> k, TileRows<T> v, int n, 
   }
 }
 
-// The pool offsets (elements) of keys [t, t + n)'s rows (kv head 0), walking the block table.
-inline void slot_offsets(const int32_t* table, int bs, int64_t row_stride, int t, int n, int64_t* rows) noexcept {
+// The pool offsets (elements) of keys [t, t + n)'s rows of kv head 0, walking the block table (kv head g's
+// rows are kv_row_offset(0, g, 0, ...) further).
+inline void slot_offsets(const DecodeDims& dm, const int32_t* table, int t, int n, int64_t* rows) noexcept {
+  const int bs = dm.block_size;
   int j = t / bs, o = t % bs;
   for (int i = 0; i < n; ++i) {
-    rows[i] = (static_cast<int64_t>(table[j]) * bs + o) * row_stride;
+    rows[i] = kv_row_offset(table[j], 0, o, dm.n_kv, bs, dm.kv_row);
     if (++o == bs) o = 0, ++j;
   }
 }
@@ -314,8 +316,7 @@ void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp
                                 attend_block<T, 4, W>, attend_block<T, 5, W>, attend_block<T, 6, W>,
                                 attend_block<T, 7, W>, attend_block<T, 8, W>};
   const Fn* by_width = dm.head_dim % W == 0 && dm.q8_group % W == 0 ? wide : narrow;
-  const int hd = dm.head_dim, bs = dm.block_size, heads = dm.n_heads, rep = dm.n_heads / dm.n_kv;
-  const int64_t row_stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;  // elements of T per slot
+  const int hd = dm.head_dim, heads = dm.n_heads, rep = dm.n_heads / dm.n_kv;
   const int64_t row_bytes = static_cast<int64_t>(dm.kv_row) * sizeof(T);
   float* qs = scratch;                                   // (heads, hd) pre-scaled queries
   float* s = qs + heads * hd;                            // (tile keys, 8) probabilities (attend_block)
@@ -327,20 +328,17 @@ void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp
   fill(acc, acc + heads * hd, 0.0f);
   int64_t offsets[2][kDecodeTileKeys];  // this tile's and the next one's row offsets
   int t = key_begin, n = min_of(kDecodeTileKeys, key_end - t), cur = 0;
-  slot_offsets(table, bs, row_stride, t, n, offsets[cur]);
+  slot_offsets(dm, table, t, n, offsets[cur]);
   prefetch_rows(kp, offsets[cur], n, row_bytes);
   prefetch_rows(vp, offsets[cur], n, row_bytes);
   while (n > 0) {
     const int next_t = t + n, next_n = min_of(kDecodeTileKeys, key_end - next_t);
-    if (next_n > 0) slot_offsets(table, bs, row_stride, next_t, next_n, offsets[cur ^ 1]);
+    if (next_n > 0) slot_offsets(dm, table, next_t, next_n, offsets[cur ^ 1]);
     for (int g = 0; g < dm.n_kv; ++g) {
-      const int64_t g_off = static_cast<int64_t>(g) * dm.kv_row;
+      const int64_t g_off = kv_row_offset(0, g, 0, dm.n_kv, dm.block_size, dm.kv_row);
       const TileRows<T> k{kp + g_off, offsets[cur], scales};
       const TileRows<T> v{vp + g_off, offsets[cur], scales};
       // The next tile's rows of this kv head go to L2 while this one is computed, one key's per key scored.
-      // A head's rows sit a slot apart (a power of two, e.g. 1 KiB): they share few L1 sets, so requesting
-      // the next head's rows into L1 ahead of time evicted this head's (Zen 3, 1B shape: 1.3-1.9x slower
-      // from memory, docs/attention.md).
       for (int r0 = 0; r0 < rep; r0 += kDecodeScratchRows) {
         const int h = g * rep + r0, width = min_of(kDecodeScratchRows, rep - r0);
         const NextRows<T> next{kp + g_off, vp + g_off, offsets[cur ^ 1], r0 == 0 ? next_n : 0, row_bytes};

@@ -32,14 +32,15 @@ NB_MODULE(_kernels, m) {
   m.def("paged_decode", &metrale::paged_decode, "queries"_a, "k_pool"_a, "v_pool"_a, "block_tables"_a,
         "context_lens"_a, nb::kw_only(), "scale"_a, "block_size"_a, "window"_a = 0,
         "Decode attention over paged pools on the CPU stream.\n\n"
-        "queries (B, n_heads, hd); k_pool, v_pool (num_slots, n_kv_heads, hd) float32|float16|bfloat16;\n"
+        "queries (B, n_heads, hd); k_pool, v_pool (num_blocks, n_kv_heads, block_size, hd)\n"
+        "float32|float16|bfloat16;\n"
         "block_tables (B, max_blocks) int32; context_lens (B,) int32. Row b attends to positions\n"
         "max(0, ctx - window) .. ctx - 1 (window 0: all). Returns (B, n_heads, hd) float32.");
   m.def("paged_prefill", &metrale::paged_prefill, "queries"_a, "k_pool"_a, "v_pool"_a, "block_table"_a,
         nb::kw_only(), "first_position"_a, "scale"_a, "block_size"_a, "window"_a = 0,
         "Prefill attention of one sequence's chunk over its paged pools on the CPU stream, flash style.\n\n"
-        "queries (q_len, n_heads, hd) at positions first_position..; k_pool, v_pool (num_slots, n_kv_heads, hd)\n"
-        "float32|float16|bfloat16; block_table (max_blocks,) int32. Position p attends to\n"
+        "queries (q_len, n_heads, hd) at positions first_position..; k_pool, v_pool (num_blocks, n_kv_heads,\n"
+        "block_size, hd) float32|float16|bfloat16; block_table (max_blocks,) int32. Position p attends to\n"
         "max(0, p - window + 1) .. p (window 0: 0 .. p). Returns (q_len, n_heads, hd) float32.");
   m.def("causal_softmax", &metrale::causal_softmax, "scores"_a, nb::kw_only(), "offset"_a, "window"_a = 0,
         "Softmax of scores (..., q_len, L) float32 where query i keeps keys j <= i + offset and, with\n"
@@ -103,8 +104,9 @@ NB_MODULE(_kernels, m) {
         "RoPE of q (T, Hq, D) and k (T, Hk, D) float32 by per-token cos / sin (T, D / 2), one node on the\n"
         "CPU stream: [q, k] rotated (half-split pairs, or interleaved ones when traditional).");
   m.def("kv_write", &metrale::kv_write, "pool"_a, "rows"_a, "slots"_a,
-        "The pool (S, H, D) with rows (T, H, D) written at slots (T,) int32, one node on the CPU stream;\n"
-        "in place when nothing else holds the old pool.");
+        "The pool (N, H, B, D) (blocks, kv heads, block size, row) with rows (T, H, D) written at slots (T,)\n"
+        "int32 (slot s: row s % B of block s / B), one node on the CPU stream; in place when nothing else holds\n"
+        "the old pool.");
   m.def("argmax_rows", &metrale::argmax_rows, "x"_a,
         "mx.argmax(x, axis=-1) for x (..., V) float32 on the CPU stream, threaded: (...) uint32, the first\n"
         "index of each row's maximum; a NaN counts as the largest value (the first NaN wins).");

@@ -62,15 +62,15 @@ int q8_group(int head_dim, int row_bytes) {
 
 mx::array kv_write(const mx::array& pool, const mx::array& rows, const mx::array& slots) {
   const bool q8 = pool.dtype() == mx::int8;
-  const bool shapes = pool.ndim() == 3 && rows.ndim() == 3 && rows.shape(1) == pool.shape(1) && slots.ndim() == 1 &&
+  const bool shapes = pool.ndim() == 4 && rows.ndim() == 3 && rows.shape(1) == pool.shape(1) && slots.ndim() == 1 &&
                       slots.shape(0) == rows.shape(0) && slots.dtype() == mx::int32;
   const bool rounds = (pool.dtype() == mx::float16 || pool.dtype() == mx::bfloat16) && rows.dtype() == mx::float32;
-  const bool ok = shapes && (q8 ? rows.dtype() == mx::float32 && q8_group(rows.shape(2), pool.shape(2)) > 0
-                                : rows.shape(2) == pool.shape(2) && (rows.dtype() == pool.dtype() || rounds));
+  const bool ok = shapes && (q8 ? rows.dtype() == mx::float32 && q8_group(rows.shape(2), pool.shape(3)) > 0
+                                : rows.shape(2) == pool.shape(3) && (rows.dtype() == pool.dtype() || rounds));
   if (!ok)
-    throw std::invalid_argument("kv_write: pool (S, H, D), rows (T, H, D) of the pool's dtype (or float32 into a "
-                                "float16 / bfloat16 pool) and slots (T,) int32 (an int8 q8 pool: "
-                                "(S, H, D + 2 D / group), float32 rows (T, H, D)), got " +
+    throw std::invalid_argument("kv_write: pool (N, H, B, D) (blocks, kv heads, block size, row), rows (T, H, D) of "
+                                "the pool's dtype (or float32 into a float16 / bfloat16 pool) and slots (T,) int32 "
+                                "(an int8 q8 pool: (N, H, B, D + 2 D / group), float32 rows (T, H, D)), got " +
                                 describe(pool) + ", " + describe(rows) + ", " + describe(slots));
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(s), {pool, rows, slots});
@@ -88,9 +88,10 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   encoder.set_output_array(out);
   const RowMajor old(copy ? pool : mx::array(0), encoder), rin(inputs[1], encoder), sin_(inputs[2], encoder);
-  const int64_t num_slots = pool.shape(0), tokens = inputs[1].shape(0);
-  const int64_t row_bytes = static_cast<int64_t>(pool.shape(1)) * pool.shape(2) * pool.itemsize();
-  const int heads = pool.shape(1), hd = inputs[1].shape(2), kv_row = pool.shape(2);
+  const int heads = pool.shape(1), bs = pool.shape(2), kv_row = pool.shape(3), hd = inputs[1].shape(2);
+  const int64_t num_slots = static_cast<int64_t>(pool.shape(0)) * bs, tokens = inputs[1].shape(0);
+  const int64_t item = pool.itemsize(), row_bytes = kv_row * item;  // one (kv head, slot) row
+  const int64_t in_row_bytes = static_cast<int64_t>(hd) * inputs[1].itemsize();
   const int group = pool.dtype() == mx::int8 ? q8_group(hd, kv_row) : 0;
   // float32 rows into a 16-bit pool: each row rounded as it is written
   const bool rounds = group == 0 && inputs[1].dtype() != pool.dtype();
@@ -103,15 +104,16 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t slot = sp[t];
       if (slot < 0 || slot >= num_slots) continue;
-      if (group > 0) {
-        const float* x = reinterpret_cast<const float*>(r) + t * heads * hd;
-        for (int h = 0; h < heads; ++h)
-          quantize_q8_row(x + h * hd, hd, group, reinterpret_cast<int8_t*>(o + slot * row_bytes) + h * kv_row);
-      } else if (rounds) {
-        const float* x = reinterpret_cast<const float*>(r) + t * heads * hd;
-        kernels.store_floats(x, pool_dtype, o + slot * row_bytes, static_cast<int64_t>(heads) * hd);
-      } else {
-        std::memcpy(o + slot * row_bytes, r + t * row_bytes, row_bytes);
+      for (int h = 0; h < heads; ++h) {
+        char* dst = o + kv_row_offset(slot / bs, h, static_cast<int>(slot % bs), heads, bs, kv_row) * item;
+        const char* src = r + (t * heads + h) * in_row_bytes;
+        if (group > 0) {
+          quantize_q8_row(reinterpret_cast<const float*>(src), hd, group, reinterpret_cast<int8_t*>(dst));
+        } else if (rounds) {
+          kernels.store_floats(reinterpret_cast<const float*>(src), pool_dtype, dst, hd);
+        } else {
+          std::memcpy(dst, src, row_bytes);
+        }
       }
     }
   });

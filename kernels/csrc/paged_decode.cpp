@@ -163,23 +163,24 @@ mx::array paged_decode(const mx::array& queries, const mx::array& k_pool, const 
                        int block_size, int window) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("paged_decode: " + msg); };
   if (queries.ndim() != 3) fail("queries must be (B, n_heads, head_dim), got " + shape_str(queries));
-  if (k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape())
-    fail("pools must both be (num_slots, n_kv_heads, head_dim), got " + shape_str(k_pool) + " and " + shape_str(v_pool));
+  if (k_pool.ndim() != 4 || k_pool.shape() != v_pool.shape())
+    fail("pools must both be (num_blocks, n_kv_heads, block_size, head_dim), got " + shape_str(k_pool) + " and " +
+         shape_str(v_pool));
   const bool q8 = k_pool.dtype() == mx::int8;
   if (k_pool.dtype() != v_pool.dtype() ||
       !(q8 || (mx::issubdtype(k_pool.dtype(), mx::floating) && k_pool.dtype() != mx::float64)))
     fail("pools must share one dtype among float32, float16, bfloat16, int8 (q8)");
   const int B = queries.shape(0), H = queries.shape(1), D = queries.shape(2), KV = k_pool.shape(1);
-  if (q8 ? q8_group(D, k_pool.shape(2)) == 0 : k_pool.shape(2) != D)
-    fail("pool rows of " + std::to_string(k_pool.shape(2)) + " elements do not hold head_dim " + std::to_string(D) +
+  if (q8 ? q8_group(D, k_pool.shape(3)) == 0 : k_pool.shape(3) != D)
+    fail("pool rows of " + std::to_string(k_pool.shape(3)) + " elements do not hold head_dim " + std::to_string(D) +
          (q8 ? " int8 values and their float16 scales" : " values"));
   if (H % KV != 0) fail("n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KV));
   if (block_tables.ndim() != 2 || block_tables.shape(0) != B)
     fail("block_tables must be (B=" + std::to_string(B) + ", max_blocks), got " + shape_str(block_tables));
   if (context_lens.ndim() != 1 || context_lens.shape(0) != B)
     fail("context_lens must be (B=" + std::to_string(B) + ",), got " + shape_str(context_lens));
-  if (block_size < 1 || k_pool.shape(0) % block_size != 0)
-    fail("block_size " + std::to_string(block_size) + " must be >= 1 and divide num_slots " + std::to_string(k_pool.shape(0)));
+  if (block_size != k_pool.shape(2))
+    fail("block_size " + std::to_string(block_size) + " is not the pools' " + std::to_string(k_pool.shape(2)));
   if (D % 8 != 0 || D > kMaxHeadDim)
     fail("head_dim " + std::to_string(D) + " must be a multiple of 8 and at most 256");
   if (window < 0) fail("window must be >= 0 (0: no window), got " + std::to_string(window));
@@ -209,9 +210,9 @@ void PagedDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
 
   if (kp.dtype() != mx::float32 && kp.dtype() != mx::float16 && kp.dtype() != mx::bfloat16 && kp.dtype() != mx::int8)
     throw std::invalid_argument("paged_decode: unsupported pool dtype");
-  const int group = kp.dtype() == mx::int8 ? q8_group(q.shape(2), kp.shape(2)) : 0;
+  const int group = kp.dtype() == mx::int8 ? q8_group(q.shape(2), kp.shape(3)) : 0;
   const DecodeDims dm{q.shape(0), q.shape(1), kp.shape(1), q.shape(2), tables.shape(1), block_size_, window_,
-                      kp.shape(0) / block_size_, scale_, kp.shape(2), group};
+                      kp.shape(0), scale_, kp.shape(3), group};
   const RowMajor qin(q, encoder), kin(kp, encoder), vin(vp, encoder), tin(tables, encoder), cin(ctx, encoder);
   encoder.dispatch([=, op = out.data<float>(), dtype = kernel_dtype(kp.dtype())] {
     run_decode(dm, dtype, qin.data<float>(), kin.data<void>(), vin.data<void>(), tin.data<int32_t>(),

@@ -9,8 +9,8 @@ namespace metrale {
 
 namespace mx = mlx::core;
 
-// queries (B, n_heads, hd), k_pool / v_pool (num_slots, n_kv_heads, hd) float32|float16|bfloat16 (or int8
-// q8 pools, (num_slots, n_kv_heads, hd + 2 * hd / group), kv_write.h),
+// queries (B, n_heads, hd), k_pool / v_pool (num_blocks, n_kv_heads, block_size, hd) float32|float16|bfloat16 (or int8
+// q8 pools, (num_blocks, n_kv_heads, block_size, hd + 2 * hd / group), kv_write.h),
 // block_tables (B, max_blocks) int32, context_lens (B,) int32. Row b attends to positions
 // max(0, ctx - window) .. ctx - 1 of its context (window 0: all). Returns (B, n_heads, hd) float32.
 mx::array paged_decode(

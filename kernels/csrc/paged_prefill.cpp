@@ -137,21 +137,21 @@ mx::array paged_prefill(const mx::array& queries, const mx::array& k_pool, const
                         const mx::array& block_table, int first_position, float scale, int block_size, int window) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("paged_prefill: " + msg); };
   if (queries.ndim() != 3) fail("queries must be (q_len, n_heads, head_dim), got " + shape_of(queries));
-  if (k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || k_pool.dtype() != v_pool.dtype())
-    fail("pools must both be (num_slots, n_kv_heads, head_dim) of one dtype, got " + shape_of(k_pool) + " and " +
-         shape_of(v_pool));
+  if (k_pool.ndim() != 4 || k_pool.shape() != v_pool.shape() || k_pool.dtype() != v_pool.dtype())
+    fail("pools must both be (num_blocks, n_kv_heads, block_size, head_dim) of one dtype, got " + shape_of(k_pool) +
+         " and " + shape_of(v_pool));
   const bool q8 = k_pool.dtype() == mx::int8;
   if (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16 && k_pool.dtype() != mx::bfloat16 && !q8)
     fail("pools must be float32, float16, bfloat16 or int8 (q8), got " + shape_of(k_pool));
   const int H = queries.shape(1), D = queries.shape(2), KV = k_pool.shape(1);
-  if (q8 ? q8_group(D, k_pool.shape(2)) == 0 : k_pool.shape(2) != D)
-    fail("pool rows of " + std::to_string(k_pool.shape(2)) + " elements do not hold head_dim " + std::to_string(D) +
+  if (q8 ? q8_group(D, k_pool.shape(3)) == 0 : k_pool.shape(3) != D)
+    fail("pool rows of " + std::to_string(k_pool.shape(3)) + " elements do not hold head_dim " + std::to_string(D) +
          (q8 ? " int8 values and their float16 scales" : " values"));
   if (H % KV != 0) fail("n_heads " + std::to_string(H) + " is not a multiple of n_kv_heads " + std::to_string(KV));
   if (D % 8 != 0 || D > kMaxHeadDim) fail("head_dim " + std::to_string(D) + " must be a multiple of 8 and at most 256");
   if (block_table.ndim() != 1) fail("block_table must be (max_blocks,), got " + shape_of(block_table));
-  if (block_size < 1 || k_pool.shape(0) % block_size != 0)
-    fail("block_size " + std::to_string(block_size) + " must be >= 1 and divide num_slots " + std::to_string(k_pool.shape(0)));
+  if (block_size != k_pool.shape(2))
+    fail("block_size " + std::to_string(block_size) + " is not the pools' " + std::to_string(k_pool.shape(2)));
   if (first_position < 0) fail("first_position must be >= 0, got " + std::to_string(first_position));
   if (static_cast<int64_t>(first_position) + queries.shape(0) > static_cast<int64_t>(block_table.shape(0)) * block_size)
     fail("block_table of " + std::to_string(block_table.shape(0)) + " blocks does not cover position " +
@@ -177,9 +177,9 @@ void PagedPrefill::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
                       : kp.dtype() == mx::float32 ? Dtype::float32
                       : kp.dtype() == mx::float16 ? Dtype::float16
                                                   : Dtype::bfloat16;
-  const int group = kp.dtype() == mx::int8 ? q8_group(q.shape(2), kp.shape(2)) : 0;
+  const int group = kp.dtype() == mx::int8 ? q8_group(q.shape(2), kp.shape(3)) : 0;
   const PrefillDims dm{q.shape(0), q.shape(1), kp.shape(1), q.shape(2), table.shape(0), block_size_, window_, first_,
-                       kp.shape(0) / block_size_, scale_, kp.shape(2), group};
+                       kp.shape(0), scale_, kp.shape(3), group};
   const RowMajor qin(q, encoder), kin(kp, encoder), vin(vp, encoder), tin(table, encoder);
   encoder.dispatch([=, op = out.data<float>()] {
     run_prefill(dm, dtype, qin.data<float>(), kin.data<void>(), vin.data<void>(), tin.data<int32_t>(), op);

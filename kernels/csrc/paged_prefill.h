@@ -11,7 +11,7 @@ namespace metrale {
 namespace mx = mlx::core;
 
 // queries (q_len, n_heads, hd) at positions first_position .. first_position + q_len - 1; k_pool /
-// v_pool (num_slots, n_kv_heads, hd) float32|float16|bfloat16 (or int8 q8 rows, kv_write.h); block_table (max_blocks,) int32 covering
+// v_pool (num_blocks, n_kv_heads, block_size, hd) float32|float16|bfloat16 (or int8 q8 rows, kv_write.h); block_table (max_blocks,) int32 covering
 // first_position + q_len positions. Query at position p attends to max(0, p - window + 1) .. p (window 0:
 // 0 .. p). Returns (q_len, n_heads, hd) float32.
 mx::array paged_prefill(const mx::array& queries, const mx::array& k_pool, const mx::array& v_pool,

@@ -111,7 +111,6 @@ void stage_blocks(const PrefillDims& dm, const T* kp, const T* vp, const int32_t
                   int b_begin, int b_end) noexcept {
   const Layout L = layout(dm, std::is_same_v<T, bf16_t> ? Dtype::bfloat16 : Dtype::float32);
   const int hd = dm.head_dim, bs = dm.block_size, end = dm.first_position + dm.q_len;
-  const int64_t stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;
   alignas(64) uint16_t vh[32][kernel::kMaxHeadDim], vl[32][kernel::kMaxHeadDim];  // one half's V rows
   for (int b = b_begin; b < b_end; ++b) {
     uint16_t* blk = staged + (static_cast<int64_t>(g) * L.blocks + b) * L.block_elems;
@@ -120,7 +119,7 @@ void stage_blocks(const PrefillDims& dm, const T* kp, const T* vp, const int32_t
         const int key = h * 32 + j, t = L.lo_all + b * kKeys + key;
         const int32_t id = t < end ? table[t / bs] : -1;
         const bool valid = id >= 0 && id < dm.num_blocks;
-        const int64_t row = valid ? (static_cast<int64_t>(id) * bs + t % bs) * stride + static_cast<int64_t>(g) * dm.kv_row : 0;
+        const int64_t row = valid ? kv_row_offset(id, g, t % bs, dm.n_kv, bs, dm.kv_row) : 0;
         for (int i = 0; i < L.dk / 16; ++i) {  // K: A tile row key % 16 of tile (key / 16, chunk i / 2)
           __m256i h, l;
           split16(load16(kp + row, i, hd, valid), h, l);

@@ -64,12 +64,9 @@ template <typename T>
 inline void widen_tile(const PrefillDims& dm, const T* kp, const T* vp, const int32_t* table, int g, int t0,
                        int t1, int t_end, float* kf, float* vf) noexcept {
   const int hd = dm.head_dim, bs = dm.block_size;
-  const int64_t stride = static_cast<int64_t>(dm.n_kv) * dm.kv_row;  // elements of T per slot
   const int row_bytes = dm.kv_row * static_cast<int>(sizeof(T));
   const RowReader<T> read(hd, dm.q8_group);
-  auto row_of = [&](int t) {
-    return (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * stride + static_cast<int64_t>(g) * dm.kv_row;
-  };
+  auto row_of = [&](int t) { return kv_row_offset(table[t / bs], g, t % bs, dm.n_kv, bs, dm.kv_row); };
   for (int t = t0; t < t1; ++t) {
     const int j = t - t0;
     if (t + KT < t_end) {

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kernels.runtime import mx
 
-from kvcache.attention import AttentionMetadata, DecodeRun, gathered_values
+from kvcache.attention import AttentionMetadata, DecodeRun, flat_rows, gathered_values
 from kvcache.storage import PagedKVCache
 from metrale.models.config import ModelConfig
 from metrale.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
@@ -42,8 +42,8 @@ def softcapped_paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.a
     num_tokens, n_heads, head_dim = queries.shape
     n_kv = k_pool.shape[1]
     rep = n_heads // n_kv
-    flat_k = k_pool.reshape(-1, k_pool.shape[2])  # (num_slots * n_kv, row_width): int8 pools are q8 rows
-    flat_v = v_pool.reshape(-1, v_pool.shape[2])
+    flat_k = flat_rows(k_pool)  # (num_blocks * n_kv * block_size, row_width): int8 pools are q8 rows
+    flat_v = flat_rows(v_pool)
 
     def gather(flat: mx.array, rows: mx.array) -> mx.array:  # (..., L, hd) float32
         return gathered_values(flat[rows], head_dim, mx.float32)

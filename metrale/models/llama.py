@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
         q, k = self._rope.rotate_qk(q, k, positions, metadata)  # (T, n_heads | n_kv_heads, head_dim) each
         if self._temperature[0] is not None:
             q = q * self._query_temperature(positions, metadata).astype(q.dtype)
-        # each pool (num_slots, n_kv_heads, head_dim), already holding this step's K/V
+        # each pool (num_blocks, n_kv_heads, block_size, head_dim), already holding this step's K/V
         k_pool, v_pool = kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
         out = paged_attention(q, k_pool, v_pool, metadata, self.scale, sliding_window=self.sliding_window)
         # out (T, n_heads, head_dim)

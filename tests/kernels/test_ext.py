@@ -129,7 +129,7 @@ def test_kernel_reads_the_pool_written_in_the_same_graph():
 
 @needs_kernel
 def test_out_of_range_block_gives_nan_not_a_crash():
-    pool = mx.ones((8, 1, 8))  # 2 blocks of 4
+    pool = mx.ones((2, 1, 4, 8))  # 2 blocks of 4
     out = kernel.paged_decode(mx.ones((3, 1, 8)), pool, pool, mx.array([[1], [9], [0]], dtype=mx.int32),
                               mx.array([3, 3, 2**30], dtype=mx.int32), scale=1.0, block_size=4, window=0)
     out = np.array(out)
@@ -149,11 +149,13 @@ def test_paged_attention_rejects_block_outside_pool(monkeypatch):
 @pytest.mark.parametrize(
     "q_shape,pool_shape,tables_shape,match",
     [
-        ((2, 4, 8), (8, 3, 8), (2, 1), "multiple"),
-        ((2, 4, 8), (8, 2, 16), (2, 1), "head_dim"),
-        ((2, 4, 8), (8, 2, 8), (3, 1), "block_tables"),
-        ((2, 4, 12), (8, 2, 12), (2, 1), "multiple of 8"),
-        ((2, 4, 264), (8, 2, 264), (2, 1), "at most 256"),
+        ((2, 4, 8), (2, 3, 4, 8), (2, 1), "multiple"),
+        ((2, 4, 8), (2, 2, 4, 16), (2, 1), "head_dim"),
+        ((2, 4, 8), (2, 2, 4, 8), (3, 1), "block_tables"),
+        ((2, 4, 12), (2, 2, 4, 12), (2, 1), "multiple of 8"),
+        ((2, 4, 264), (2, 2, 4, 264), (2, 1), "at most 256"),
+        ((2, 4, 8), (8, 2, 8), (2, 1), "num_blocks, n_kv_heads, block_size"),
+        ((2, 4, 8), (2, 2, 8, 8), (2, 1), "is not the pools' 8"),
     ],
 )
 def test_kernel_validates_shapes(q_shape, pool_shape, tables_shape, match):

@@ -15,6 +15,7 @@ from kvcache import quantized
 from kvcache.attention import AttentionMetadata, paged_attention
 from kvcache.storage import PagedKVCache
 from tests.kvcache.test_attention import dense_attention
+from tests.kvcache.pool_layout import as_slot_rows
 
 needs_kernels = pytest.mark.skipif(not ext.has_paged_prefill(), reason="kernels not built: python -m kernels.build")
 
@@ -69,9 +70,9 @@ def test_kv_write_quantizes_bit_for_bit_as_the_emulation_and_the_mlx_reference(h
     rng = np.random.default_rng(head_dim + group)
     x = kv_like(rng, (10, 3, head_dim)) * np.float32(3.0)
     width = head_dim + 2 * head_dim // group
-    pool = mx.zeros((16, 3, width), dtype=mx.int8)
+    pool = mx.zeros((4, 3, 4, width), dtype=mx.int8)  # 4 blocks of 4 slots
     slots = mx.array(np.array([5, 0, 15, 2, 3, 4, 6, 7, 8, 9], dtype=np.int32))
-    out = np.array(ext.load().kv_write(pool, mx.array(x), slots))  # (16, 3, width)
+    out = as_slot_rows(np.array(ext.load().kv_write(pool, mx.array(x), slots)))  # (16, 3, width)
     want = quantize_np(x, group)
     np.testing.assert_array_equal(out[np.array(slots)], want)
     assert not out[[1, 10, 11, 12, 13, 14]].any()  # untouched slots stay zero
@@ -93,7 +94,7 @@ def test_decode_over_int8_pools_matches_float64_attention_of_the_dequantized_val
     bs, contexts = 16, [1, 16, 17, 100]
     tables, num_blocks = scattered_tables(rng, contexts, bs)
     width = head_dim + 2 * head_dim // group
-    k_pool = mx.zeros((num_blocks * bs, n_kv, width), dtype=mx.int8)
+    k_pool = mx.zeros((num_blocks, n_kv, bs, width), dtype=mx.int8)
     v_pool = mx.zeros_like(k_pool)
     write, stored = ext.load().kv_write, []
     for table, ctx in zip(tables, contexts):
@@ -171,7 +172,7 @@ def test_the_reference_backend_writes_the_same_bytes_and_attends_alike():
 @needs_kernels
 @pytest.mark.parametrize("width", [64, 65, 67, 70])
 def test_a_pool_row_that_cannot_hold_q8_rows_is_refused(width):
-    pool = mx.zeros((16, 2, width), dtype=mx.int8)
+    pool = mx.zeros((1, 2, 16, width), dtype=mx.int8)
     with pytest.raises(ValueError, match="int8"):
         ext.paged_decode(mx.ones((1, 2, 64)), pool, pool, mx.zeros((1, 1), dtype=mx.int32),
                          mx.array([1], dtype=mx.int32), scale=1.0, block_size=16, window=0)

@@ -17,6 +17,7 @@ import pytest
 
 from kernels import ext
 from kvcache.storage import PagedKVCache
+from tests.kvcache.pool_layout import as_slot_rows
 
 needs_kernels = pytest.mark.skipif(ext.load() is None, reason="kernels not built: python -m kernels.build")
 
@@ -49,9 +50,9 @@ def test_float32_rows_round_into_the_pool_as_astype(isa, dtype, heads, head_dim)
     flat = rows.reshape(-1)
     edges = edge_values(dtype)
     flat[: min(len(edges), flat.size)] = edges[: flat.size]
-    pool = mx.zeros((12, heads, head_dim), dtype=dtype)
+    pool = mx.zeros((3, heads, 4, head_dim), dtype=dtype)  # 3 blocks of 4 slots
     slots = mx.array(np.array([3, 0, 11, 5, 1, 2, 4, 6, 7], dtype=np.int32))
-    out = ext.load().kv_write(pool, mx.array(rows), slots)  # (12, H, hd) dtype
+    out = as_slot_rows(ext.load().kv_write(pool, mx.array(rows), slots))  # (12, H, hd) dtype
     mx.eval(out)
     want = mx.array(rows).astype(dtype)
     got = as_bits(out)[np.array(slots)]
@@ -64,7 +65,7 @@ def test_float32_rows_round_into_the_pool_as_astype(isa, dtype, heads, head_dim)
 
 @needs_kernels
 def test_rows_of_another_dtype_are_refused():
-    pool = mx.zeros((4, 1, 8), dtype=mx.float16)
+    pool = mx.zeros((1, 1, 4, 8), dtype=mx.float16)
     for rows in (mx.zeros((1, 1, 8), dtype=mx.bfloat16), mx.zeros((1, 1, 8), dtype=mx.int32)):
         with pytest.raises(ValueError, match="float32 into a float16 / bfloat16 pool"):
             ext.load().kv_write(pool, rows, mx.array([0], dtype=mx.int32))
@@ -89,5 +90,5 @@ def test_the_cache_writes_float32_rows_without_a_cast_node(dtype):
     kinds = node_kinds(k_pool, v_pool)
     assert kinds.count("KvWriteCPU") == 2 and "AsType" not in kinds, kinds
     mx.eval(k_pool, v_pool)
-    np.testing.assert_array_equal(as_bits(k_pool)[2:7], as_bits(keys.astype(dtype)))
-    np.testing.assert_array_equal(as_bits(v_pool)[2:7], as_bits(values.astype(dtype)))
+    np.testing.assert_array_equal(as_bits(as_slot_rows(k_pool))[2:7], as_bits(keys.astype(dtype)))
+    np.testing.assert_array_equal(as_bits(as_slot_rows(v_pool))[2:7], as_bits(values.astype(dtype)))

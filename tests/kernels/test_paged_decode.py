@@ -17,6 +17,7 @@ import pytest
 
 from kernels import ext
 from tests.kernels.test_kv_int8 import dequantize_np, quantize_np
+from tests.kvcache.pool_layout import as_pool
 
 kernel = ext.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel not built: python -m kernels.build")
@@ -24,20 +25,21 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="kernel not built: pyth
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_pools(rng, num_slots, n_kv, hd, dtype, q8_group=32):
-    """(k_pool, v_pool) mx arrays of `dtype` and their values as float64 (num_slots, n_kv, hd)."""
+def make_pools(rng, num_blocks, block_size, n_kv, hd, dtype, q8_group=32):
+    """(k_pool, v_pool) mx arrays of `dtype` (num_blocks, n_kv, block_size, row) and their values as float64,
+    slot by slot (num_slots, n_kv, hd)."""
     pools, values = [], []
     for _ in range(2):
-        x = rng.standard_normal((num_slots, n_kv, hd)).astype(np.float32)
+        x = rng.standard_normal((num_blocks * block_size, n_kv, hd)).astype(np.float32)
         x[..., 1] *= 6.0  # an outlier channel, as real keys have
         if dtype == "int8":
             rows = quantize_np(x, q8_group)  # (num_slots, n_kv, hd + 2 hd / group)
-            pools.append(mx.array(rows))
+            pools.append(mx.array(as_pool(rows, block_size)))
             values.append(dequantize_np(rows, hd))
         else:
-            pool = mx.array(x).astype(getattr(mx, dtype))
-            pools.append(pool)
-            values.append(np.array(pool.astype(mx.float32)).astype(np.float64))
+            rows = mx.array(x).astype(getattr(mx, dtype))
+            pools.append(as_pool(rows, block_size))
+            values.append(np.array(rows.astype(mx.float32)).astype(np.float64))
     return pools, values
 
 
@@ -78,7 +80,7 @@ def run_case(seed, contexts, n_heads, n_kv, hd, dtype="float32", block_size=16, 
     rng = np.random.default_rng(seed)
     max_blocks = max(1, max(-(-c // block_size) for c in contexts))
     tables, num_blocks = scattered_tables(rng, contexts, block_size, max_blocks)
-    (k_pool, v_pool), (k, v) = make_pools(rng, num_blocks * block_size, n_kv, hd, dtype, q8_group)
+    (k_pool, v_pool), (k, v) = make_pools(rng, num_blocks, block_size, n_kv, hd, dtype, q8_group)
     q = rng.standard_normal((len(contexts), n_heads, hd)).astype(np.float32)
     scale = hd**-0.5 if scale is None else scale
     out = kernel.paged_decode(mx.array(q), k_pool, v_pool, mx.array(tables), mx.array(np.array(contexts, np.int32)),

@@ -61,7 +61,7 @@ def test_the_gathered_path_agrees_with_the_kernel():
 
 @needs_prefill
 def test_a_block_outside_the_pool_gives_nan_rows_not_a_crash():
-    pool = mx.ones((64, 1, 8))  # 4 blocks of 16
+    pool = mx.ones((4, 1, 16, 8))  # 4 blocks of 16
     out = ext.paged_prefill(mx.ones((64, 1, 8)), pool, pool, mx.array([0, 1, 9, 2], dtype=mx.int32),
                             first_position=0, scale=1.0, block_size=16, window=0)
     out = np.array(out)  # (64, 1, 8): query tile 0 (32 queries, positions 0..31) reads blocks 0 and 1 only,
@@ -72,11 +72,13 @@ def test_a_block_outside_the_pool_gives_nan_rows_not_a_crash():
 @pytest.mark.parametrize(
     "q_shape,pool_shape,table_len,first,match",
     [
-        ((4, 4, 8), (16, 3, 8), 2, 0, "multiple"),
-        ((4, 4, 8), (16, 2, 16), 2, 0, "head_dim"),
-        ((4, 4, 12), (16, 2, 12), 2, 0, "multiple of 8"),
-        ((4, 4, 8), (16, 2, 8), 1, 2, "does not cover"),
-        ((4, 4, 8), (16, 2, 8), 2, -1, "first_position"),
+        ((4, 4, 8), (4, 3, 4, 8), 2, 0, "multiple"),
+        ((4, 4, 8), (4, 2, 4, 16), 2, 0, "head_dim"),
+        ((4, 4, 12), (4, 2, 4, 12), 2, 0, "multiple of 8"),
+        ((4, 4, 8), (4, 2, 4, 8), 1, 2, "does not cover"),
+        ((4, 4, 8), (4, 2, 4, 8), 2, -1, "first_position"),
+        ((4, 4, 8), (16, 2, 8), 2, 0, "num_blocks, n_kv_heads, block_size"),
+        ((4, 4, 8), (2, 2, 8, 8), 2, 0, "is not the pools' 8"),
     ],
 )
 def test_kernel_validates_its_input(q_shape, pool_shape, table_len, first, match):
@@ -90,7 +92,7 @@ def test_kernel_validates_its_input(q_shape, pool_shape, table_len, first, match
 def test_long_context_memory_does_not_grow_with_a_score_matrix():
     """A 512-query chunk at context 4096 allocates about its output, not a (heads, 512, 4096) score tensor."""
     n_heads, n_kv, hd, ctx, q_len, bs = 8, 2, 64, 4096, 512, 16
-    pool = mx.random.normal((ctx, n_kv, hd)).astype(mx.float16)
+    pool = mx.random.normal((ctx // bs, n_kv, bs, hd)).astype(mx.float16)
     queries = mx.random.normal((q_len, n_heads, hd))
     md = AttentionMetadata.build([q_len], [ctx], [list(range(ctx // bs))], bs, backend="kernel")
     mx.eval(pool, queries)

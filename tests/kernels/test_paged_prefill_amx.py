@@ -18,6 +18,7 @@ from kvcache import quantized
 from tests.kernels.isa_helpers import evaluated_on as on
 from tests.kernels.test_kv_int8 import dequantize_np, quantize_np
 from tests.kvcache.test_attention import dense_attention
+from tests.kvcache.pool_layout import as_pool
 
 needs_amx = pytest.mark.skipif(ext.load() is None or "avx512_amx" not in ext.supported_isas(),
                                reason="the avx512_amx kernel set does not run here (no AMX, or Linux refused the tile state)")
@@ -37,22 +38,23 @@ class Case:
         values = rng.standard_normal((context, n_kv, head_dim)).astype(np.float32)  # (context, KV, hd)
         self.q = (2.0 * rng.standard_normal((q_len, n_heads, head_dim))).astype(np.float32)  # (q_len, H, hd)
         slots = order[np.arange(context) // block_size] * block_size + np.arange(context) % block_size
-        self.k_pool, self.k64 = self._pool(keys, slots, (blocks + 3) * block_size, dtype)
-        self.v_pool, self.v64 = self._pool(values, slots, (blocks + 3) * block_size, dtype)
+        self.k_pool, self.k64 = self._pool(keys, slots, (blocks + 3) * block_size, block_size, dtype)
+        self.v_pool, self.v64 = self._pool(values, slots, (blocks + 3) * block_size, block_size, dtype)
         self.table = mx.array(order.astype(np.int32))
 
     @staticmethod
-    def _pool(x, slots, num_slots, dtype):
-        """x (context, KV, hd) float32 written at `slots` of a `dtype` pool; also x as the pool holds it, float64."""
+    def _pool(x, slots, num_slots, block_size, dtype):
+        """x (context, KV, hd) float32 written at `slots` of a `dtype` pool (num_blocks, KV, block_size, row);
+        also x as the pool holds it, float64."""
         if dtype == mx.int8:
             rows = quantize_np(x, quantized.group_size(x.shape[-1]))  # (context, KV, row bytes) int8
             pool = np.zeros((num_slots, *rows.shape[1:]), np.int8)
             pool[slots] = rows
-            return mx.array(pool), dequantize_np(rows, x.shape[-1])
+            return mx.array(as_pool(pool, block_size)), dequantize_np(rows, x.shape[-1])
         pool = np.zeros((num_slots, *x.shape[1:]), np.float32)
         pool[slots] = x
         stored = mx.array(x).astype(dtype).astype(mx.float32)
-        return mx.array(pool).astype(dtype), np.array(stored).astype(np.float64)
+        return mx.array(as_pool(pool, block_size)).astype(dtype), np.array(stored).astype(np.float64)
 
     def run(self, isa: str, window: int = 0) -> np.ndarray:
         return on(isa, lambda: np.array(ext.paged_prefill(

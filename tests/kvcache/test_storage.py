@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from kernels.backend import attention_backend
-from kvcache.storage import PagedKVCache
+from kvcache.storage import PagedKVCache, pool_rows
+from tests.kvcache.pool_layout import as_slot_rows
 
 
 def test_shapes_and_bytes():
     cache = PagedKVCache(num_layers=3, num_blocks=5, block_size=4, n_kv_heads=2, head_dim=8)
     k_pool, v_pool = cache.layer(2)
-    assert k_pool.shape == v_pool.shape == (20, 2, 8)
+    assert k_pool.shape == v_pool.shape == (5, 2, 4, 8)  # (blocks, kv heads, block size, head_dim)
     assert cache.num_slots == 20
     assert cache.bytes == 3 * 2 * 20 * 2 * 8 * 4
     assert cache.bytes == 5 * PagedKVCache.bytes_per_block(3, 4, 2, 8)
@@ -65,21 +66,22 @@ def test_write_then_read_through_slot_mapping():
     keys = rng.standard_normal((5, 2, 4)).astype(np.float32)  # (T, KV, D)
     values = rng.standard_normal((5, 2, 4)).astype(np.float32)  # (T, KV, D)
     k_pool, v_pool = cache.write(1, mx.array(keys), mx.array(values), mx.array(slots))
-    np.testing.assert_array_equal(np.array(k_pool)[slots], keys)
-    np.testing.assert_array_equal(np.array(v_pool)[slots], values)
-    reversed_slots = mx.array(slots[::-1].copy())
-    got_k, got_v = (pool[reversed_slots] for pool in cache.layer(1))
+    np.testing.assert_array_equal(np.array(k_pool)[slots // 4, :, slots % 4], keys)  # slot s: block s / 4, row s % 4
+    np.testing.assert_array_equal(np.array(v_pool)[slots // 4, :, slots % 4], values)
+    reversed_slots = slots[::-1].copy()
+    rows = mx.array(pool_rows(reversed_slots, 2, 4).astype(np.int32))  # (T, KV) rows of the flat pool
+    got_k, got_v = (pool.reshape(-1, 4)[rows] for pool in cache.layer(1))
     np.testing.assert_array_equal(np.array(got_k), keys[::-1])
     np.testing.assert_array_equal(np.array(got_v), values[::-1])
     untouched = np.setdiff1d(np.arange(32), slots)
-    assert not np.array(k_pool)[untouched].any()
+    assert not np.array(as_slot_rows(k_pool))[untouched].any()
     assert not np.array(cache.layer(0)[0]).any()  # other layers untouched
 
 
 def test_write_casts_to_pool_dtype():
     cache = PagedKVCache(1, 2, 4, 1, 2, dtype=mx.float16)
     k_pool, _ = cache.write(0, mx.ones((1, 1, 2)), mx.ones((1, 1, 2)), mx.array([3], dtype=mx.int32))
-    assert k_pool.dtype == mx.float16 and k_pool[3].tolist() == [[1.0, 1.0]]
+    assert k_pool.dtype == mx.float16 and k_pool[0, :, 3].tolist() == [[1.0, 1.0]]
 
 
 def test_write_rejects_bad_shapes():
@@ -116,10 +118,10 @@ def test_copy_blocks_copies_every_layer_and_leaves_the_rest():
     for layer in range(2):
         keys = mx.arange(24 * 6, dtype=mx.float32).reshape(24, 2, 3) + 1000 * layer
         cache.write(layer, keys, -keys, mx.arange(24, dtype=mx.int32))
-    before = [np.array(pool) for layer in range(2) for pool in cache.layer(layer)]
+    before = [np.array(as_slot_rows(pool)) for layer in range(2) for pool in cache.layer(layer)]
     cache.copy_blocks([(1, 4), (4, 2)])  # sources are read before any destination is written
     for i, pool in enumerate(pool for layer in range(2) for pool in cache.layer(layer)):
-        got, old = np.array(pool), before[i]
+        got, old = np.array(as_slot_rows(pool)), before[i]
         np.testing.assert_array_equal(got[16:20], old[4:8])
         np.testing.assert_array_equal(got[8:12], old[16:20])
         untouched = [r for r in range(24) if not (8 <= r < 12 or 16 <= r < 20)]
@@ -144,6 +146,26 @@ def test_kernel_and_indexed_writes_agree_and_keep_held_pools_intact(monkeypatch,
     k_pool, v_pool = cache.write(0, keys, values, slots)
     want_k, want_v = np.zeros((16, 2, 8), np.float32), np.zeros((16, 2, 8), np.float32)
     want_k[[5, 0, 15]], want_v[[5, 0, 15]] = np.array(keys), np.array(values)
-    np.testing.assert_array_equal(np.array(k_pool), want_k)
-    np.testing.assert_array_equal(np.array(v_pool), want_v)
-    np.testing.assert_array_equal(np.array(held), want_k if backend == "reference" else 0.0)
+    np.testing.assert_array_equal(np.array(as_slot_rows(k_pool)), want_k)
+    np.testing.assert_array_equal(np.array(as_slot_rows(v_pool)), want_v)
+    np.testing.assert_array_equal(np.array(as_slot_rows(held)), want_k if backend == "reference" else 0.0)
+
+
+def test_each_kv_heads_rows_of_a_block_are_contiguous():
+    """The layout the kernels assume (kv_row_offset in kernels/csrc/kernel_table.h): slot s of kv head g sits at
+    row ((s // block_size) * n_kv + g) * block_size + s % block_size of the flat pool, whichever backend wrote it."""
+    for backend in ("reference", "kernel"):
+        cache = PagedKVCache(num_layers=1, num_blocks=3, block_size=4, n_kv_heads=2, head_dim=8)
+        if backend == "reference":
+            cache._kv_write = None
+        elif cache._kv_write is None:
+            continue
+        slots = np.array([0, 5, 11, 6], dtype=np.int32)
+        keys = np.arange(4 * 2 * 8, dtype=np.float32).reshape(4, 2, 8)
+        k_pool, _ = cache.write(0, mx.array(keys), mx.array(keys), mx.array(slots))
+        flat = np.array(k_pool).reshape(-1, 8)  # (3 * 2 * 4, 8)
+        for t, slot in enumerate(slots):
+            for g in range(2):
+                np.testing.assert_array_equal(flat[((slot // 4) * 2 + g) * 4 + slot % 4], keys[t, g])
+        np.testing.assert_array_equal(pool_rows(slots, 2, 4), [[(s // 4 * 2 + g) * 4 + s % 4 for g in range(2)]
+                                                                for s in slots])
