@@ -24,9 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kernels, not an installed one
 
 SHAPES = {"1b": (32, 8, 64), "135m": (9, 3, 64), "3b": (24, 8, 128)}  # n_heads, n_kv_heads, head_dim
 HERE = Path(__file__).resolve().parent
