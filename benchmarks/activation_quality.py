@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -74,17 +75,14 @@ def forced_logprobs(loaded: LoadedModel, ids: list[int]) -> mx.array:
 
 
 def greedy(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    """All prompts batched in one step, then one decode step for all per token."""
-    harness = PagedHarness(loaded.config, num_blocks=len(prompts) * ((max(map(len, prompts)) + steps) // 16 + 2),
-                           block_size=16)
-    logits = harness.step(loaded.model, [(f"s{i}", p) for i, p in enumerate(prompts)])
-    outs: list[list[int]] = [[] for _ in prompts]
-    for _ in range(steps):
-        tokens = [int(mx.argmax(chunk[-1]).item()) for chunk in logits]
-        for out, token in zip(outs, tokens):
-            out.append(token)
-        logits = harness.step(loaded.model, [(f"s{i}", [t]) for i, t in enumerate(tokens)])
-    return outs
+    """`steps` greedy tokens per prompt, all prompts batched (PagedHarness.greedy)."""
+    blocks = len(prompts) * ((max(map(len, prompts)) + steps) // 16 + 2)
+    return PagedHarness(loaded.config, num_blocks=blocks, block_size=16).greedy(loaded.model, prompts, steps)[1]
+
+
+def nll(logprobs: mx.array, ids: list[int]) -> float:
+    """The text's negative log-likelihood: -sum of each next token's log-probability."""
+    return -float(mx.sum(mx.take_along_axis(logprobs, mx.array(ids[1:])[:, None], axis=-1)).item())
 
 
 def compare(reference: dict, candidate: dict, ref_greedy: list[list[int]], cand_greedy: list[list[int]]) -> dict:
@@ -94,9 +92,8 @@ def compare(reference: dict, candidate: dict, ref_greedy: list[list[int]], cand_
         kl = mx.sum(mx.exp(ref_lp) * (ref_lp - cand_lp), axis=-1)  # (positions,)
         kls.extend(kl.tolist())
         agree += int(mx.sum(mx.argmax(ref_lp, axis=-1) == mx.argmax(cand_lp, axis=-1)).item())
-        targets = mx.array(ids[1:])[:, None]
-        nll_ref -= float(mx.sum(mx.take_along_axis(ref_lp, targets, axis=-1)).item())
-        nll_cand -= float(mx.sum(mx.take_along_axis(cand_lp, targets, axis=-1)).item())
+        nll_ref += nll(ref_lp, ids)
+        nll_cand += nll(cand_lp, ids)
         positions += len(ids) - 1
     kls.sort()
     first_diff = [next((i for i, (a, b) in enumerate(zip(r, c)) if a != b), None)
@@ -105,7 +102,7 @@ def compare(reference: dict, candidate: dict, ref_greedy: list[list[int]], cand_
         "positions": positions,
         "kl_mean": sum(kls) / len(kls), "kl_p99": kls[int(0.99 * (len(kls) - 1))], "kl_max": kls[-1],
         "top1_agree": agree / positions,
-        "ppl_ratio": pow(2.718281828459045, (nll_cand - nll_ref) / positions),
+        "ppl_ratio": math.exp((nll_cand - nll_ref) / positions),
         "greedy_identical": sum(d is None for d in first_diff), "greedy_prompts": len(first_diff),
         "greedy_first_diff": [d for d in first_diff if d is not None],
     }
@@ -141,9 +138,8 @@ def main() -> None:
     corpus = texts(reference_model.tokenizer, args.tokens)
     prompts = chats(reference_model)
     reference, ref_greedy = measure(reference_model, corpus, prompts, args.greedy_steps)
-    ppl = pow(2.718281828459045, -sum(float(mx.sum(mx.take_along_axis(lp, mx.array(ids[1:])[:, None], -1)).item())
-                                       for lp, ids in reference.values())
-              / sum(len(ids) - 1 for _, ids in reference.values()))
+    ppl = math.exp(sum(nll(lp, ids) for lp, ids in reference.values())
+                   / sum(len(ids) - 1 for _, ids in reference.values()))
     print(f"float32 reference: {sum(len(i) for i in corpus.values())} tokens in {len(corpus)} texts, "
           f"perplexity {ppl:.3f}; {len(prompts)} chats x {args.greedy_steps} greedy tokens")
 

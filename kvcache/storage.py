@@ -10,17 +10,17 @@ owns is the KV manager's business (kvcache/manager.py), this module only stores 
     slot = block_table[pos // block_size] * block_size + pos % block_size
     the slot's row of kv head g: pool[slot // block_size, g, slot % block_size]
 
-Writing in place. MLX arrays are functional, yet `pool[slot_mapping] = keys` does not copy the
-pool: the scatter donates its input buffer to its output when nothing else holds the old array,
+Writing in place. MLX arrays are functional, yet `flat[rows] = keys` (flat: the pool viewed as rows) does not
+copy the pool: the scatter donates its input buffer to its output when nothing else holds the old array,
 so the write costs O(T) and the footprint stays fixed. Measured on this CPU (mlx 0.32, a 96 MiB
 pool, 32 new tokens): ~0.05 ms per write and 0 bytes of new memory, against 78 ms and a second
 96 MiB pool when another array still references the old pool at eval time (for instance an
 unevaluated op of an earlier step that reads it). Evaluate each step before the next, and read
 the pools through `layer()` / what `write` returns in the same step.
 With the CPU kernels (METRALE_ATTENTION, decided at construction) each pool is written by one node
-(kernels' kv_write, the same donation rule) instead of MLX's three indexing nodes; the cache then
-holds a new pool object per write (MLX's assignment updates the object itself), so an array kept
-from an earlier `layer()` call keeps the old contents and makes that write copy the pool.
+(kernels' kv_write, the same donation rule) instead of MLX's reshape / scatter / reshape. Either way the
+cache holds a new pool object per write, so an array kept from an earlier `layer()` call keeps the old
+contents and makes that write copy the pool.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class PagedKVCache:
         mx.eval(self._keys, self._values)  # allocate now: the footprint is fixed from the start
         # the C++ K/V write (one node per pool), resolved once; None: MLX's scatter
         self._kv_write = getattr(ext.load(), "kv_write", None) if attention_backend() == "kernel" else None
+        self._rows_of: tuple[mx.array, mx.array] | None = None  # (slot_mapping, its rows): _flat_rows
 
     @staticmethod
     def row_width_of(head_dim: int, dtype: mx.Dtype) -> int:
@@ -179,11 +180,21 @@ class PagedKVCache:
         if kernel_writes:
             self._keys[layer] = self._kv_write(self._keys[layer], keys, slot_mapping)
             self._values[layer] = self._kv_write(self._values[layer], values, slot_mapping)
-        else:
-            blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size  # (T,) each
-            self._keys[layer][blocks, :, offsets] = keys  # rows (T, n_kv_heads, row_width)
-            self._values[layer][blocks, :, offsets] = values
+        else:  # MLX's scatter into the pool's rows, (T, n_kv_heads) of them, in place when nothing else holds it
+            rows = self._flat_rows(slot_mapping)
+            for pools, new in ((self._keys, keys), (self._values, values)):
+                flat = pools[layer].reshape(-1, self.row_width)  # (num_blocks * n_kv_heads * block_size, row_width)
+                flat[rows] = new
+                pools[layer] = flat.reshape(pools[layer].shape)
         return self._keys[layer], self._values[layer]
+
+    def _flat_rows(self, slot_mapping: mx.array) -> mx.array:
+        """The rows (T, n_kv_heads) of `slot_mapping`'s slots in a pool viewed as (rows, row_width), built once
+        per step: every layer writes the step metadata's one slot_mapping object."""
+        if self._rows_of is None or self._rows_of[0] is not slot_mapping:
+            rows = pool_rows(np.array(slot_mapping), self.n_kv_heads, self.block_size)  # the step's host array
+            self._rows_of = (slot_mapping, mx.array(rows.astype(np.int32)))
+        return self._rows_of[1]
 
     def copy_blocks(self, copies: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
         """Copy whole blocks, `[(src block id, dst block id)]`, in every layer's K and V pools (a forked

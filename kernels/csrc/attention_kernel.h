@@ -307,7 +307,8 @@ inline void slot_offsets(const DecodeDims& dm, const int32_t* table, int t, int 
 template <typename T>
 void decode_range(const DecodeDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table,
                   int key_begin, int key_end, float* acc, float* ml, float* scratch, bool normalize) noexcept {
-  using Fn = void (*)(int, const float*, TileRows<T>, TileRows<T>, int, float*, float*, float*, float*, int, NextRows<T>);
+  using Fn = void (*)(int, const float*, TileRows<T>, TileRows<T>, int, float*, float*, float*, float*, int,
+                     NextRows<T>);
   static constexpr Fn narrow[] = {attend_block<T, 1, 8>, attend_block<T, 2, 8>, attend_block<T, 3, 8>,
                                   attend_block<T, 4, 8>, attend_block<T, 5, 8>, attend_block<T, 6, 8>,
                                   attend_block<T, 7, 8>, attend_block<T, 8, 8>};

@@ -11,6 +11,7 @@ namespace metrale {
 // q8: an int8 KV pool whose rows (one per slot and kv head) hold head_dim int8 values, then one float16
 // scale per group of q8_group values (kv_row = head_dim + 2 * head_dim / q8_group bytes): value = int8 * scale.
 enum class Dtype : int { float32 = 0, float16 = 1, bfloat16 = 2, q8 = 3 };
+enum class GatedKind : int { silu = 0, gelu_tanh = 1 };
 
 // The KV pool layout, the one place it is decided in C++ (kvcache/storage.py in Python): a pool is
 // (num_blocks, n_kv, block_size, kv_row) elements, so each kv head's rows of one block are one contiguous run.
@@ -20,7 +21,6 @@ enum class Dtype : int { float32 = 0, float16 = 1, bfloat16 = 2, q8 = 3 };
 constexpr int64_t kv_row_offset(int64_t block, int g, int o, int n_kv, int block_size, int kv_row) {
   return ((block * n_kv + g) * block_size + o) * kv_row;
 }
-enum class GatedKind : int { silu = 0, gelu_tanh = 1 };
 
 constexpr int kMaxHeadDim = 256;    // paged decode rejects larger head_dim (stack buffers)
 constexpr int kDecodeScratchRows = 8;  // query heads a decode tile pass handles at once (per kv head)

@@ -104,8 +104,10 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t slot = sp[t];
       if (slot < 0 || slot >= num_slots) continue;
+      const int64_t block = slot / bs;
+      const int in_block = static_cast<int>(slot % bs);
       for (int h = 0; h < heads; ++h) {
-        char* dst = o + kv_row_offset(slot / bs, h, static_cast<int>(slot % bs), heads, bs, kv_row) * item;
+        char* dst = o + kv_row_offset(block, h, in_block, heads, bs, kv_row) * item;
         const char* src = r + (t * heads + h) * in_row_bytes;
         if (group > 0) {
           quantize_q8_row(reinterpret_cast<const float*>(src), hd, group, reinterpret_cast<int8_t*>(dst));

@@ -8,6 +8,7 @@ import pytest
 
 from kernels.backend import attention_backend
 from kvcache.storage import PagedKVCache, pool_rows
+from tests.kernels.test_kv_write_rounding import node_kinds
 from tests.kvcache.pool_layout import as_slot_rows
 
 
@@ -132,9 +133,9 @@ def test_copy_blocks_copies_every_layer_and_leaves_the_rest():
 
 @pytest.mark.parametrize("backend", ["reference", "kernel"])
 def test_kernel_and_indexed_writes_agree_and_keep_held_pools_intact(monkeypatch, backend):
-    """The CPU kernel's write (one node per pool) and MLX's indexed assignment give the same pools.
-    MLX's assignment updates the pool object itself (a holder sees the write); the kernel rebinds the
-    cache's pool, so a holder keeps the old values (the write copied the pool for it)."""
+    """The CPU kernel's write (one node per pool) and MLX's scatter into the pool's rows give the same pools.
+    Both rebind the cache's pool, so a holder of the old one keeps the old values (the write copied the pool
+    for it)."""
     if backend == "kernel" and attention_backend() != "kernel":
         pytest.skip("kernels not built: python -m kernels.build")
     monkeypatch.setenv("METRALE_ATTENTION", backend)
@@ -148,7 +149,7 @@ def test_kernel_and_indexed_writes_agree_and_keep_held_pools_intact(monkeypatch,
     want_k[[5, 0, 15]], want_v[[5, 0, 15]] = np.array(keys), np.array(values)
     np.testing.assert_array_equal(np.array(as_slot_rows(k_pool)), want_k)
     np.testing.assert_array_equal(np.array(as_slot_rows(v_pool)), want_v)
-    np.testing.assert_array_equal(np.array(as_slot_rows(held)), want_k if backend == "reference" else 0.0)
+    np.testing.assert_array_equal(np.array(as_slot_rows(held)), 0.0)
 
 
 def test_each_kv_heads_rows_of_a_block_are_contiguous():
@@ -167,5 +168,19 @@ def test_each_kv_heads_rows_of_a_block_are_contiguous():
         for t, slot in enumerate(slots):
             for g in range(2):
                 np.testing.assert_array_equal(flat[((slot // 4) * 2 + g) * 4 + slot % 4], keys[t, g])
-        np.testing.assert_array_equal(pool_rows(slots, 2, 4), [[(s // 4 * 2 + g) * 4 + s % 4 for g in range(2)]
-                                                                for s in slots])
+        np.testing.assert_array_equal(flat[pool_rows(slots, 2, 4)], keys)  # the gathers' indices agree
+
+
+def test_the_mlx_write_builds_the_steps_rows_once_for_every_layer():
+    """Without the kernels every layer scatters K and V into its pools' rows: the step's (T, n_kv) row indices
+    come from its one slot_mapping once, and each pool costs one Scatter (a reshape on either side)."""
+    cache = PagedKVCache(num_layers=3, num_blocks=4, block_size=4, n_kv_heads=2, head_dim=8)
+    cache._kv_write = None  # the plain-MLX write, as the reference backend (or a GPU) runs it
+    slot_mapping, keys = mx.array([1, 5, 14], dtype=mx.int32), mx.ones((3, 2, 8))
+    pools = [pool for layer in range(3) for pool in cache.write(layer, keys, 2 * keys, slot_mapping)]
+    kinds = node_kinds(*pools)
+    assert kinds.count("Scatter") == 6 and kinds.count("Reshape") <= 6 * 3, kinds
+    rows = [np.array(as_slot_rows(pool))[[1, 5, 14]] for pool in pools]
+    for layer in range(3):
+        np.testing.assert_array_equal(rows[2 * layer], 1.0)
+        np.testing.assert_array_equal(rows[2 * layer + 1], 2.0)

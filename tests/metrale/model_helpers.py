@@ -122,6 +122,21 @@ class PagedHarness:
             row += len(tokens)
         return out
 
+    def greedy(self, model: Any, prompts: Sequence[Sequence[int]],
+               steps: int) -> tuple[list[mx.array], list[list[int]]]:
+        """All prompts in one varlen step, then one decode step for all of them per token: ([the prompt step's
+        last logits (vocab,) per prompt], [`steps` greedy tokens per prompt])."""
+        logits = self.step(model, [(f"s{i}", p) for i, p in enumerate(prompts)])
+        firsts = [chunk[-1] for chunk in logits]
+        outs: list[list[int]] = [[] for _ in prompts]
+        for step in range(steps):
+            tokens = [int(mx.argmax(chunk[-1]).item()) for chunk in logits]
+            for out, token in zip(outs, tokens):
+                out.append(token)
+            if step + 1 < steps:
+                logits = self.step(model, [(f"s{i}", [t]) for i, t in enumerate(tokens)])
+        return firsts, outs
+
 
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (

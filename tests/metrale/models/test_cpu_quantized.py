@@ -54,17 +54,7 @@ def greedy(loaded, prompts, steps=STEPS):
     """All prompts in one varlen batch per step over the paged cache: ([first-step logits (vocab,)
     per prompt], [greedy continuation per prompt])."""
     harness = PagedHarness(loaded.config, num_blocks=64, block_size=16)
-    ids = [loaded.tokenizer.encode(p) for p in prompts]
-    logits = harness.step(loaded.model, [(f"s{i}", p) for i, p in enumerate(ids)])
-    firsts = [chunk[-1] for chunk in logits]
-    outs = [[] for _ in prompts]
-    tokens = [int(mx.argmax(f).item()) for f in firsts]
-    for _ in range(steps):
-        for out, token in zip(outs, tokens):
-            out.append(token)
-        logits = harness.step(loaded.model, [(f"s{i}", [t]) for i, t in enumerate(tokens)])
-        tokens = [int(mx.argmax(chunk[-1]).item()) for chunk in logits]
-    return firsts, outs
+    return harness.greedy(loaded.model, [loaded.tokenizer.encode(p) for p in prompts], steps)
 
 
 def test_default_model_keeps_its_quantization(models):
