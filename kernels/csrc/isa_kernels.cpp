@@ -46,19 +46,20 @@ void decode_task(const DecodeDims& dm, Dtype dtype, const float* q, const void* 
 }
 
 void prefill_task(const PrefillDims& dm, Dtype dtype, const float* q, const void* kp, const void* vp,
-                  const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end) {
+                  const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end, int key_begin,
+                  int key_end, float* part) {
   if (dtype == Dtype::float32) {
     kernel::prefill_task(dm, q, static_cast<const float*>(kp), static_cast<const float*>(vp), table, out, scratch, g,
-                         q_begin, q_end);
+                         q_begin, q_end, key_begin, key_end, part);
   } else if (dtype == Dtype::q8) {
     kernel::prefill_task(dm, q, static_cast<const int8_t*>(kp), static_cast<const int8_t*>(vp), table, out, scratch, g,
-                         q_begin, q_end);
+                         q_begin, q_end, key_begin, key_end, part);
   } else if (dtype == Dtype::float16) {
     kernel::prefill_task(dm, q, static_cast<const kernel::f16_t*>(kp), static_cast<const kernel::f16_t*>(vp), table,
-                         out, scratch, g, q_begin, q_end);
+                         out, scratch, g, q_begin, q_end, key_begin, key_end, part);
   } else {
     kernel::prefill_task(dm, q, static_cast<const kernel::bf16_t*>(kp), static_cast<const kernel::bf16_t*>(vp), table,
-                         out, scratch, g, q_begin, q_end);
+                         out, scratch, g, q_begin, q_end, key_begin, key_end, part);
   }
 }
 

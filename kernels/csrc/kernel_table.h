@@ -65,6 +65,9 @@ constexpr int64_t prefill_scratch_floats(int rows, int head_dim) {
   return rp * head_dim * 2 + 2LL * head_dim * kPrefillKeys + rp * kPrefillKeys + 3 * rp;
 }
 
+// floats one part of a split prefill task writes for its `rows` rows: O (rows, hd), m (rows,), l (rows,)
+constexpr int64_t prefill_part_floats(int rows, int head_dim) { return static_cast<int64_t>(rows) * (head_dim + 2); }
+
 // Quantized matmul (qmm_kernel.h). A weight W (N, K) in MLX's affine form, w = q * scale + bias per
 // group of `group_size` along K, repacked at load (kernels/qmm.py) into panels of 16 rows:
 //   q       uint8 (P, 16 * K * bits / 8), panel p holds rows 16p .. 16p + 15:
@@ -169,9 +172,11 @@ struct KernelTable {
   void (*decode_task)(const DecodeDims& dm, Dtype dtype, const float* q, const void* k_pool, const void* v_pool,
                       const int32_t* table, int key_begin, int key_end, float* acc, float* ml, float* scratch,
                       bool normalize);
-  // paged prefill attention: queries [q_begin, q_end) of the chunk, kv head g (attention_kernel.h)
+  // paged prefill attention: queries [q_begin, q_end) of the chunk, kv head g, its keys in [key_begin, key_end)
+  // (prefill_kernel.h); part nullptr: normalized into out, else the part's (O, m, l) there (prefill_part_floats)
   void (*prefill_task)(const PrefillDims& dm, Dtype dtype, const float* q, const void* k_pool, const void* v_pool,
-                       const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end);
+                       const int32_t* table, float* out, float* scratch, int g, int q_begin, int q_end,
+                       int key_begin, int key_end, float* part);
   // rows [row_begin, row_end) of a (..., q_len, length) score tensor, masked softmax into dst
   void (*causal_softmax_rows)(const float* src, float* dst, int64_t row_begin, int64_t row_end, int length,
                               int q_len, int offset, int window);

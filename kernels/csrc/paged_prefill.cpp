@@ -6,7 +6,9 @@
 #include "paged_prefill.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <new>
 #include <sstream>
 #include <stdexcept>
@@ -31,6 +33,8 @@ namespace metrale {
 namespace {
 
 constexpr int64_t kMinParallelWork = 1 << 16;  // query-key pairs x heads below which one thread is faster
+constexpr int kTasksPerThread = 2;  // split key ranges until the threads have this many tasks each
+constexpr int kMinSplitKeys = 512;  // ... but never into parts shorter than this (a part re-reads its queries)
 
 std::string shape_of(const mx::array& a) {
   std::ostringstream os;
@@ -111,6 +115,73 @@ void run_staged(const PrefillStaged& st, int64_t bytes, const PrefillDims dm, Dt
   buffer.trim();
 }
 
+// One prefill task: kv head g, queries [q_begin, q_end), keys [key_begin, key_end); part -1: the whole key range,
+// written normalized; else the index of its partial (O, m, l), merged by merge_parts.
+struct PrefillTask {
+  int g, q_begin, q_end, key_begin, key_end;
+  int64_t part;
+};
+
+// One task per (kv head, query tile), the longest rows first; when those are fewer than two per thread (few kv
+// heads, a short chunk: the default model's 3 kv heads on 2 threads left one thread idle a third of the time),
+// each task's key range is split into equal parts on key-tile boundaries, none shorter than kMinSplitKeys.
+std::vector<PrefillTask> plan_tasks(const PrefillDims& dm, int tile_q, int width, int64_t* n_parts) {
+  const int tiles = (dm.q_len + tile_q - 1) / tile_q, n_tasks = tiles * dm.n_kv;
+  const int want = width * kTasksPerThread;
+  std::vector<PrefillTask> tasks;
+  *n_parts = 0;
+  for (int task = 0; task < n_tasks; ++task) {
+    const int tile = tiles - 1 - task / dm.n_kv, g = task % dm.n_kv;
+    const int q_begin = tile * tile_q, q_end = std::min(dm.q_len, q_begin + tile_q);
+    const int first = dm.first_position + q_begin, last = dm.first_position + q_end - 1;
+    const int lo = dm.window > 0 ? std::max(0, first - dm.window + 1) : 0;
+    const int keys = last - lo + 1;
+    int parts = width > 1 && n_tasks < want ? (want + n_tasks - 1) / n_tasks : 1;
+    parts = std::max(1, std::min(parts, keys / kMinSplitKeys));
+    if (parts == 1) {
+      tasks.push_back({g, q_begin, q_end, 0, std::numeric_limits<int>::max(), -1});
+      continue;
+    }
+    const int step = ((keys + parts - 1) / parts + kPrefillKeys - 1) / kPrefillKeys * kPrefillKeys;
+    for (int k = lo; k <= last; k += step)
+      tasks.push_back({g, q_begin, q_end, k, std::min(last + 1, k + step), (*n_parts)++});
+  }
+  return tasks;
+}
+
+// out's rows of each split task: sum_i 2^(m_i - M) O_i / sum_i 2^(m_i - M) l_i over its parts i, M = max_i m_i
+// (log2 units, as prefill_kernel.h keeps them; a row no part saw is NaN, as a fully masked softmax).
+void merge_parts(const PrefillDims& dm, const std::vector<PrefillTask>& tasks, const float* parts, int64_t stride,
+                 float* out) {
+  const int hd = dm.head_dim, rep = dm.n_heads / dm.n_kv;
+  for (size_t i = 0; i < tasks.size();) {
+    size_t end = i + 1;
+    if (tasks[i].part < 0) {
+      i = end;
+      continue;
+    }
+    while (end < tasks.size() && tasks[end].part >= 0 && tasks[end].g == tasks[i].g &&
+           tasks[end].q_begin == tasks[i].q_begin)
+      ++end;
+    const PrefillTask& t = tasks[i];
+    const int rows = (t.q_end - t.q_begin) * rep;
+    for (int r = 0; r < rows; ++r) {
+      float M = -std::numeric_limits<float>::infinity(), L = 0.0f;
+      for (size_t p = i; p < end; ++p) M = std::max(M, parts[tasks[p].part * stride + rows * hd + r]);
+      float* o = out + (static_cast<int64_t>(t.q_begin + r / rep) * dm.n_heads + t.g * rep + r % rep) * hd;
+      std::fill(o, o + hd, 0.0f);
+      for (size_t p = i; p < end; ++p) {
+        const float* part = parts + tasks[p].part * stride;
+        const float w = std::exp2(part[rows * hd + r] - M);
+        L += w * part[rows * (hd + 1) + r];
+        for (int d = 0; d < hd; ++d) o[d] += w * part[r * hd + d];
+      }
+      for (int d = 0; d < hd; ++d) o[d] /= L;
+    }
+    i = end;
+  }
+}
+
 void run_prefill(const PrefillDims dm, Dtype dtype, const float* q, const void* kp, const void* vp,
                  const int32_t* table, float* out) {
   const auto& kernels = cpu_kernels();
@@ -119,16 +190,21 @@ void run_prefill(const PrefillDims dm, Dtype dtype, const float* q, const void* 
     if (bytes > 0) return run_staged(*kernels.prefill_staged, bytes, dm, dtype, q, kp, vp, table, out);
   }
   const int tile_q = query_tile(dm.head_dim);
-  const int tiles = (dm.q_len + tile_q - 1) / tile_q, n_tasks = tiles * dm.n_kv;
-  const int width = parallel_width(dm, n_tasks);
+  const int width = parallel_width(dm, std::numeric_limits<int>::max());  // the threads the work is worth
+  int64_t n_parts = 0;
+  const std::vector<PrefillTask> tasks = plan_tasks(dm, tile_q, width, &n_parts);
+  const int threads = std::min(width, static_cast<int>(tasks.size()));
   const int rows = tile_q * (dm.n_heads / dm.n_kv);
-  const int64_t per_thread = prefill_scratch_floats(rows, dm.head_dim);
-  std::vector<float> scratch(per_thread * width);  // allocated here, so the tasks never allocate
-  parallel_for(n_tasks, width, [&](int task, int me) {
-    const int tile = tiles - 1 - task / dm.n_kv, g = task % dm.n_kv;  // the longest rows first
-    const int q_begin = tile * tile_q, q_end = std::min(dm.q_len, q_begin + tile_q);
-    kernels.prefill_task(dm, dtype, q, kp, vp, table, out, scratch.data() + me * per_thread, g, q_begin, q_end);
+  const int64_t per_thread = prefill_scratch_floats(rows, dm.head_dim), stride = prefill_part_floats(rows, dm.head_dim);
+  // allocated here, so the tasks never allocate: per-thread scratch, the parts of split tasks
+  std::vector<float> scratch(per_thread * threads), parts(stride * n_parts);
+  parallel_for(static_cast<int>(tasks.size()), threads, [&](int i, int me) {
+    const PrefillTask& t = tasks[i];
+    float* part = t.part < 0 ? nullptr : parts.data() + t.part * stride;
+    kernels.prefill_task(dm, dtype, q, kp, vp, table, out, scratch.data() + me * per_thread, t.g, t.q_begin, t.q_end,
+                         t.key_begin, t.key_end, part);
   });
+  merge_parts(dm, tasks, parts.data(), stride, out);
 }
 
 }  // namespace

@@ -2,15 +2,20 @@
 //
 // One task per (kv head g, tile of up to kPrefillQueries queries of the chunk); its R = tile * rep rows
 // (query i, head g * rep + r) share every key they read (GQA), padded to RP rows (a multiple of
-// kPrefillRowPad; pad rows are zero queries, never written out). The keys the tile can see,
+// the set's vector width kVW, at most kPrefillRowPad's multiple the scratch is sized for; pad rows are zero
+// queries, never written out). The keys the tile can see,
 //   lo = window ? max(0, first + q_begin - window + 1) : 0  ..  hi = first + q_end - 1,
 // are walked in tiles of KT = kPrefillKeys, read through the block table straight from the pools and
 // widened to float32 rows once per tile (vector converts, no transposition: the queries are the
 // transposed operand, once per task). Scores are kept transposed, keys x rows, so the online softmax
 // runs across rows in vectors:
-//   S^T (KT, RP) = K Q^T (Q pre-scaled); keys outside [p - window + 1, p] of a row are -inf (p = position)
-//   m' = max(m, max_j S^T), O = O e^(m - m') + P V with P^T = e^(S^T - m'), l = l e^(m - m') + sum_j P^T
+//   S^T (KT, RP) = K Q^T (Q pre-scaled by scale x log2(e)); keys outside [p - window + 1, p] of a row are -inf
+//   (p = position)
+//   m' = max(m, max_j S^T), O = O 2^(m - m') + P V with P^T = 2^(S^T - m'), l = l 2^(m - m') + sum_j P^T
 //   out = O / l    (a row that sees no key is NaN, as a fully masked softmax)
+// (powers of 2 of log2(e)-scaled scores are the powers of e of the scores: one multiply less per score, and
+// 2^x needs no log2(e) in its range reduction). A task may take a part of its keys only (few tasks, long
+// context: paged_prefill.cpp splits the range and merges the parts).
 // No (q_len, context) score matrix exists: memory stays O(RP * KT) per task, whatever the context.
 // Per key tile: widen K/V (and prefetch the next tile's rows), S^T in register blocks of 4 keys x 4 row
 // vectors, the mask only on tiles that cross a row's position or window, the softmax on whole vectors of
@@ -42,7 +47,7 @@ constexpr int kAccs = 16;  // accumulator vectors a register block keeps (32 zmm
 constexpr int kVW = 8;
 constexpr int kAccs = 8;   // 16 ymm registers (or pairs of xmm)
 #endif
-static_assert(metrale::kPrefillRowPad % kVW == 0, "padded rows must fill whole vectors");
+static_assert(metrale::kPrefillRowPad % kVW == 0, "the scratch's padded rows hold whole vectors of this set");
 typedef float vwf __attribute__((vector_size(kVW * 4)));
 
 template <typename V>
@@ -141,32 +146,34 @@ inline void mask_tile(float* st, int base, int rows, int rep, int t0, int t1, in
 
 typedef int32_t vwi __attribute__((vector_size(kVW * 4)));
 
-// e^x on kVW lanes for x <= 0: vecmath.h's exp8 (Cephes, ~2 ulp) on the tile's vector width; x < -87
-// gives ~1e-38, never a subnormal (the caller maps -inf to 0 itself).
-inline vwf exp_wide(vwf x) noexcept {
-  const vwf lo = vwf{} - 87.0f;
+// 2^x on kVW lanes for x <= 0 (scores minus their max, in log2 units: the queries carry log2(e)). x + 1.5 x 2^23
+// rounds x to the integer n in the low mantissa bits (|x| < 2^22), so n costs two adds and its exponent bits one
+// integer add; 2^f on f = x - n in [-1/2, 1/2] is Cephes' exp2f polynomial (~1 ulp). x < -126 gives 2^-126 (the
+// caller maps -inf to 0 itself).
+inline vwf exp2_wide(vwf x) noexcept {
+  const vwf lo = vwf{} - 126.0f;
   x = x < lo ? lo : x;
-  const vwf fx = x * 1.44269504088896341f + 0.5f;  // n = floor(x log2(e) + 1/2)
-  vwi n = __builtin_convertvector(fx, vwi);
-  vwf nf = __builtin_convertvector(n, vwf);
-  n = n + (nf > fx);  // truncation made a floor (a true comparison is -1)
-  nf = __builtin_convertvector(n, vwf);
-  const vwf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vwf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const vwi bits = (n + 127) << 23;  // 2^n
+  const vwf magic = vwf{} + 12582912.0f;
+  const vwf t = x + magic;
+  const vwf f = x - (t - magic);
+  vwf y = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+  y = y * f + 9.618437357674640e-3f;
+  y = y * f + 5.550332471162809e-2f;
+  y = y * f + 2.402264791363012e-1f;
+  y = y * f + 6.931472028550421e-1f;
+  y = y * f + 1.0f;
+  vwi bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits - 0x4B400000 + 127) << 23;  // 2^n
   vwf two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return y * two_n;
 }
 
-// Online softmax over the tile, kVW rows at a time: st becomes P^T = e^(S^T - m') (0 where masked), m
-// and l are updated and alpha[r] = e^(m - m') is left for rescaling O (tile_values applies it).
-inline void online_softmax_tile(float* st, float* m, float* l, float* alpha, int rp) noexcept {
+// Online softmax over the tile, kVW rows at a time, in log2 units: st becomes P^T = 2^(S^T - m') (0 where masked),
+// m and l are updated and alpha[r] = 2^(m - m') is left for rescaling O (tile_values applies it). Only a masked
+// tile (`masked`) holds -inf scores, so only there a score is compared with it.
+inline void online_softmax_tile(float* st, float* m, float* l, float* alpha, int rp, bool masked) noexcept {
   static_assert(KT % 4 == 0, "four running maxima");
   const vwf neg_inf = vwf{} - __builtin_inff();
   for (int r = 0; r < rp; r += kVW) {
@@ -181,14 +188,22 @@ inline void online_softmax_tile(float* st, float* m, float* l, float* alpha, int
     const vwf m_old = loadv<vwf>(m + r);
     const vwf m_tile = mt[0] > mt[2] ? mt[0] : mt[2];
     const vwf m_new = m_tile > m_old ? m_tile : m_old;
-    const vwf m_sub = m_new == neg_inf ? vwf{} : m_new;  // a row with no key yet: e^(-inf - 0) = 0
-    const vwf a = m_old == neg_inf ? vwf{} : exp_wide(m_old - m_sub);
+    const vwf m_sub = m_new == neg_inf ? vwf{} : m_new;  // a row with no key yet: 2^(-inf - 0) = 0
+    const vwf a = m_old == neg_inf ? vwf{} : exp2_wide(m_old - m_sub);
     vwf sum[2] = {};
-    for (int j = 0; j < KT; ++j) {
-      const vwf x = loadv<vwf>(st + j * rp + r);
-      const vwf e = x == neg_inf ? vwf{} : exp_wide(x - m_sub);
-      storev(st + j * rp + r, e);
-      sum[j & 1] += e;
+    if (masked) {
+      for (int j = 0; j < KT; ++j) {
+        const vwf x = loadv<vwf>(st + j * rp + r);
+        const vwf e = x == neg_inf ? vwf{} : exp2_wide(x - m_sub);
+        storev(st + j * rp + r, e);
+        sum[j & 1] += e;
+      }
+    } else {
+      for (int j = 0; j < KT; ++j) {
+        const vwf e = exp2_wide(loadv<vwf>(st + j * rp + r) - m_sub);
+        storev(st + j * rp + r, e);
+        sum[j & 1] += e;
+      }
     }
     storev(m + r, m_new);
     storev(l + r, loadv<vwf>(l + r) * a + (sum[0] + sum[1]));
@@ -197,7 +212,7 @@ inline void online_softmax_tile(float* st, float* m, float* l, float* alpha, int
 }
 
 // o[r, c .. c + CB lanes of V) += sum_j pt[j, r] V[j, c ..] for rows [r0, r0 + RB), V a float vector type.
-// O is rescaled by alpha (the softmax's e^(m - m')) as it is loaded.
+// O is rescaled by alpha (the softmax's 2^(m - m')) as it is loaded.
 template <typename V, int RB, int CB>
 inline void tile_values(const float* pt, const float* vf, const float* alpha, float* o, int r0, int c, int hd,
                         int rp) noexcept {
@@ -228,19 +243,31 @@ inline void tile_values_rows(const float* pt, const float* vf, const float* alph
   for (; c < hd; c += kW) tile_values<v8f, RB, 1>(pt, vf, alpha, o, r0, c, hd, rp);
 }
 
+// Queries [q_begin, q_end) of the chunk against kv head g's keys in [key_begin, key_end) (0, INT_MAX: all it
+// sees). part nullptr: the rows' attention outputs, normalized, into out. Otherwise one part of a key range split
+// over several tasks (paged_prefill.cpp merges them): the rows' unnormalized O (rows, hd), then their running max
+// m (rows,) in log2 units and sum l (rows,) at part. Rows past the range's keys get m = -inf, l = 0, O = 0; a block
+// id out of range makes the rows NaN (a part: O NaN, m = 0, l = 1, so the merge is NaN too).
 template <typename T>
 void prefill_task(const PrefillDims& dm, const float* q, const T* kp, const T* vp, const int32_t* table, float* out,
-                  float* scratch, int g, int q_begin, int q_end) noexcept {
+                  float* scratch, int g, int q_begin, int q_end, int key_begin, int key_end, float* part) noexcept {
   const int hd = dm.head_dim, rep = dm.n_heads / dm.n_kv, rows = (q_end - q_begin) * rep;
-  const int rp = metrale::prefill_padded_rows(rows);
-  const int first = dm.first_position, hi = first + q_end - 1;
-  const int lo = dm.window > 0 ? max_of(0, first + q_begin - dm.window + 1) : 0;
+  const int rp = (rows + kVW - 1) / kVW * kVW;  // whole vectors of this set (scratch is sized for kPrefillRowPad)
+  const int first = dm.first_position, last = first + q_end - 1;  // the last row's position
+  const int seen = dm.window > 0 ? max_of(0, first + q_begin - dm.window + 1) : 0;  // the first row's first key
+  const int lo = max_of(seen, key_begin), hi = min_of(last, key_end - 1);
   auto out_row = [&](int r) { return out + (static_cast<int64_t>(q_begin + r / rep) * dm.n_heads + g * rep + r % rep) * hd; };
-  bool valid = static_cast<int64_t>(hi) < static_cast<int64_t>(dm.max_blocks) * dm.block_size;
+  bool valid = static_cast<int64_t>(last) < static_cast<int64_t>(dm.max_blocks) * dm.block_size;
   for (int b = lo / dm.block_size; valid && b <= hi / dm.block_size; ++b)
     valid = table[b] >= 0 && table[b] < dm.num_blocks;
   if (!valid) {
-    for (int r = 0; r < rows; ++r) fill(out_row(r), out_row(r) + hd, __builtin_nanf(""));
+    if (part != nullptr) {
+      fill(part, part + rows * hd, __builtin_nanf(""));
+      fill(part + rows * hd, part + rows * (hd + 1), 0.0f);
+      fill(part + rows * (hd + 1), part + rows * (hd + 2), 1.0f);
+    } else {
+      for (int r = 0; r < rows; ++r) fill(out_row(r), out_row(r) + hd, __builtin_nanf(""));
+    }
     return;
   }
   float* qt = scratch;                 // (hd, rp) scaled queries, transposed; pad rows 0
@@ -257,21 +284,30 @@ void prefill_task(const PrefillDims& dm, const float* q, const T* kp, const T* v
     m[r] = -__builtin_inff();
     l[r] = 0.0f;
   }
+  const float scale = dm.scale * 1.44269504088896341f;  // log2(e): the softmax runs in powers of 2
   for (int r = 0; r < rows; ++r) {
     const float* src = q + (static_cast<int64_t>(q_begin + r / rep) * dm.n_heads + g * rep + r % rep) * hd;
-    for (int d = 0; d < hd; ++d) qt[d * rp + r] = src[d] * dm.scale;
+    for (int d = 0; d < hd; ++d) qt[d * rp + r] = src[d] * scale;
   }
   const int lowest = first + q_begin;  // the first row's position: tiles up to it are seen by every row
-  const int last_window_start = dm.window > 0 ? hi - dm.window + 1 : 0;
+  const int last_window_start = dm.window > 0 ? last - dm.window + 1 : 0;
   for (int t0 = lo; t0 <= hi; t0 += KT) {
     const int t1 = min_of(hi + 1, t0 + KT);
     widen_tile(dm, kp, vp, table, g, t0, t1, hi + 1, kf, vf);
     tile_scores(qt, kf, st, hd, rp);
-    if (t1 - t0 < KT || t1 - 1 > lowest || t0 < last_window_start) mask_tile(st, lowest, rows, rep, t0, t1, dm.window, rp);
-    online_softmax_tile(st, m, l, alpha, rp);
+    const bool masked = t1 - t0 < KT || t1 - 1 > lowest || t0 < last_window_start;
+    if (masked) mask_tile(st, lowest, rows, rep, t0, t1, dm.window, rp);
+    online_softmax_tile(st, m, l, alpha, rp, masked);
     int r = 0;
     for (; r + 4 <= rows; r += 4) tile_values_rows<4>(st, vf, alpha, o, r, hd, rp);
+    for (; r + 2 <= rows; r += 2) tile_values_rows<2>(st, vf, alpha, o, r, hd, rp);
     for (; r < rows; ++r) tile_values_rows<1>(st, vf, alpha, o, r, hd, rp);
+  }
+  if (part != nullptr) {
+    std::memcpy(part, o, sizeof(float) * rows * hd);
+    std::memcpy(part + rows * hd, m, sizeof(float) * rows);
+    std::memcpy(part + rows * (hd + 1), l, sizeof(float) * rows);
+    return;
   }
   for (int r = 0; r < rows; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : __builtin_nanf("");

@@ -6,6 +6,7 @@ against float64 dense attention over the values the pool holds (skipped when the
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -76,3 +77,30 @@ def test_a_chunk_whose_context_crosses_many_blocks_and_tiles(dtype, isa):
     """A 160-query chunk at context 1,200 (75 scattered blocks, 19 key tiles, 10 query tiles), the 1B GQA
     ratio (4 query heads per kv head)."""
     prefill_in_chunks([1040, 160], n_heads=8, n_kv=2, head_dim=64, dtype=dtype, seed=11)
+
+
+@needs_prefill
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="key ranges split only over 2+ kernel threads")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.int8])
+@pytest.mark.parametrize("n_heads,n_kv,window", [(9, 3, None), (4, 1, None), (9, 3, 1500)])
+def test_short_chunks_at_a_long_context_split_their_keys(dtype, n_heads, n_kv, window, isa):
+    """Chunks of 2, 7, 32 and 3 tokens after a 2,000-token prefix: one query tile per kv head, fewer tasks than
+    two per thread, so each task's keys are split into parts (on key-tile boundaries, 512+ keys each) and merged;
+    the default model's 3 kv heads, a single kv head (more parts) and a window that starts mid-range."""
+    prefill_in_chunks([2000, 2, 7, 32, 3], n_heads=n_heads, n_kv=n_kv, head_dim=64, dtype=dtype, window=window,
+                      seed=n_heads + n_kv)
+
+
+@needs_prefill
+def test_a_bad_block_in_one_part_of_a_split_range_makes_its_rows_nan():
+    """4 queries at context 2,048 (split over the threads when there are 2+): block 100 of the table is outside
+    the pool, so every row is NaN, as when one task reads the whole range; a good table gives finite rows."""
+    bs, n_kv = 16, 1
+    pool = mx.ones((200, n_kv, bs, 64)).astype(mx.float16)
+    good = np.arange(128, dtype=np.int32)
+    bad = good.copy()
+    bad[100] = 9999
+    for table, finite in ((good, True), (bad, False)):
+        out = ext.paged_prefill(mx.ones((4, 3, 64)), pool, pool, mx.array(table), first_position=2044,
+                                scale=0.125, block_size=bs, window=0)
+        assert np.isfinite(np.array(out)).all() == finite and (finite or np.isnan(np.array(out)).all())
