@@ -119,7 +119,7 @@ def main(argv=None) -> None:
           f"FMA peak per core: {peak or 'not measured'} GFLOP/s")
     print(f"{'context':>8s} {'isa':>11s} {'ms':>8s} {'GFLOP/s wall':>13s} {'GFLOP/s cpu':>12s} {'per core':>9s}")
     for r in bench(args.shape, args.contexts, args.chunk, args.kv_dtype, args.repeat, isas):
-        print(f"{r['context']:8d} {r['isa']:>11s} {r['ms']:8.1f} {r['gflops_wall']:13.1f} {r['gflops_cpu']:12.1f} "
+        print(f"{r['context']:8d} {r['isa']:>11s} {r['ms']:8.3f} {r['gflops_wall']:13.1f} {r['gflops_cpu']:12.1f} "
               f"{r['gflops_cpu'] / threads:9.1f}")
 
 
