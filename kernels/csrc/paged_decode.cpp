@@ -11,6 +11,7 @@
 #include "isa.h"
 #include "parallel.h"
 #include "row_major.h"
+#include "softmax_parts.h"
 
 #include <algorithm>
 #include <cmath>
@@ -89,10 +90,11 @@ std::vector<DecodeTask> plan_tasks(const DecodeDims& dm, const std::vector<KeyRa
   return tasks;
 }
 
-// out[b] = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the parts i of row b, M = max_i m_i.
+// out[b] = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the parts i of row b, M = max_i m_i (merge_row).
 void merge_partials(const DecodeDims& dm, const std::vector<DecodeTask>& tasks, const float* partials, float* out) {
   const int H = dm.n_heads, hd = dm.head_dim;
   const int64_t stride = static_cast<int64_t>(H) * hd + 2 * H;
+  std::vector<const float*> parts;
   for (size_t i = 0; i < tasks.size();) {
     size_t end = i;
     while (end < tasks.size() && tasks[end].b == tasks[i].b && tasks[end].partial >= 0) ++end;
@@ -100,19 +102,11 @@ void merge_partials(const DecodeDims& dm, const std::vector<DecodeTask>& tasks, 
       ++i;
       continue;
     }
+    parts.clear();
+    for (size_t p = i; p < end; ++p) parts.push_back(partials + tasks[p].partial * stride);
     float* o = out + static_cast<int64_t>(tasks[i].b) * H * hd;
-    for (int h = 0; h < H; ++h) {
-      float M = -std::numeric_limits<float>::infinity(), L = 0.0f;
-      for (size_t p = i; p < end; ++p) M = std::max(M, partials[tasks[p].partial * stride + H * hd + h]);
-      std::fill(o + h * hd, o + (h + 1) * hd, 0.0f);
-      for (size_t p = i; p < end; ++p) {
-        const float* part = partials + tasks[p].partial * stride;
-        const float w = std::exp(part[H * hd + h] - M);
-        L += w * part[H * hd + H + h];
-        for (int d = 0; d < hd; ++d) o[h * hd + d] += w * part[h * hd + d];
-      }
-      for (int d = 0; d < hd; ++d) o[h * hd + d] /= L;
-    }
+    for (int h = 0; h < H; ++h)
+      merge_row(parts.data(), parts.size(), H, hd, h, [](float x) { return std::exp(x); }, o + h * hd);
     i = end;
   }
 }

@@ -23,6 +23,7 @@
 #include "mlx/utils.h"
 #include "parallel.h"
 #include "row_major.h"
+#include "softmax_parts.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -149,11 +150,12 @@ std::vector<PrefillTask> plan_tasks(const PrefillDims& dm, int tile_q, int width
   return tasks;
 }
 
-// out's rows of each split task: sum_i 2^(m_i - M) O_i / sum_i 2^(m_i - M) l_i over its parts i, M = max_i m_i
-// (log2 units, as prefill_kernel.h keeps them; a row no part saw is NaN, as a fully masked softmax).
+// out's rows of each split task: its parts merged (merge_row), their maxima in log2 units as prefill_kernel.h
+// keeps them.
 void merge_parts(const PrefillDims& dm, const std::vector<PrefillTask>& tasks, const float* parts, int64_t stride,
                  float* out) {
   const int hd = dm.head_dim, rep = dm.n_heads / dm.n_kv;
+  std::vector<const float*> group;
   for (size_t i = 0; i < tasks.size();) {
     size_t end = i + 1;
     if (tasks[i].part < 0) {
@@ -163,20 +165,13 @@ void merge_parts(const PrefillDims& dm, const std::vector<PrefillTask>& tasks, c
     while (end < tasks.size() && tasks[end].part >= 0 && tasks[end].g == tasks[i].g &&
            tasks[end].q_begin == tasks[i].q_begin)
       ++end;
+    group.clear();
+    for (size_t p = i; p < end; ++p) group.push_back(parts + tasks[p].part * stride);
     const PrefillTask& t = tasks[i];
     const int rows = (t.q_end - t.q_begin) * rep;
     for (int r = 0; r < rows; ++r) {
-      float M = -std::numeric_limits<float>::infinity(), L = 0.0f;
-      for (size_t p = i; p < end; ++p) M = std::max(M, parts[tasks[p].part * stride + rows * hd + r]);
       float* o = out + (static_cast<int64_t>(t.q_begin + r / rep) * dm.n_heads + t.g * rep + r % rep) * hd;
-      std::fill(o, o + hd, 0.0f);
-      for (size_t p = i; p < end; ++p) {
-        const float* part = parts + tasks[p].part * stride;
-        const float w = std::exp2(part[rows * hd + r] - M);
-        L += w * part[rows * (hd + 1) + r];
-        for (int d = 0; d < hd; ++d) o[d] += w * part[r * hd + d];
-      }
-      for (int d = 0; d < hd; ++d) o[d] /= L;
+      merge_row(group.data(), group.size(), rows, hd, r, [](float x) { return std::exp2(x); }, o);
     }
     i = end;
   }

@@ -171,9 +171,10 @@ inline vwf exp2_wide(vwf x) noexcept {
 }
 
 // Online softmax over the tile, kVW rows at a time, in log2 units: st becomes P^T = 2^(S^T - m') (0 where masked),
-// m and l are updated and alpha[r] = 2^(m - m') is left for rescaling O (tile_values applies it). Only a masked
-// tile (`masked`) holds -inf scores, so only there a score is compared with it.
-inline void online_softmax_tile(float* st, float* m, float* l, float* alpha, int rp, bool masked) noexcept {
+// m and l are updated and alpha[r] = 2^(m - m') is left for rescaling O (tile_values applies it). Only a MASKED
+// tile (mask_tile ran) holds -inf scores, so only there a score is compared with it.
+template <bool MASKED>
+inline void online_softmax_tile(float* st, float* m, float* l, float* alpha, int rp) noexcept {
   static_assert(KT % 4 == 0, "four running maxima");
   const vwf neg_inf = vwf{} - __builtin_inff();
   for (int r = 0; r < rp; r += kVW) {
@@ -191,19 +192,12 @@ inline void online_softmax_tile(float* st, float* m, float* l, float* alpha, int
     const vwf m_sub = m_new == neg_inf ? vwf{} : m_new;  // a row with no key yet: 2^(-inf - 0) = 0
     const vwf a = m_old == neg_inf ? vwf{} : exp2_wide(m_old - m_sub);
     vwf sum[2] = {};
-    if (masked) {
-      for (int j = 0; j < KT; ++j) {
-        const vwf x = loadv<vwf>(st + j * rp + r);
-        const vwf e = x == neg_inf ? vwf{} : exp2_wide(x - m_sub);
-        storev(st + j * rp + r, e);
-        sum[j & 1] += e;
-      }
-    } else {
-      for (int j = 0; j < KT; ++j) {
-        const vwf e = exp2_wide(loadv<vwf>(st + j * rp + r) - m_sub);
-        storev(st + j * rp + r, e);
-        sum[j & 1] += e;
-      }
+    for (int j = 0; j < KT; ++j) {
+      const vwf x = loadv<vwf>(st + j * rp + r);
+      vwf e = exp2_wide(x - m_sub);
+      if constexpr (MASKED) e = x == neg_inf ? vwf{} : e;
+      storev(st + j * rp + r, e);
+      sum[j & 1] += e;
     }
     storev(m + r, m_new);
     storev(l + r, loadv<vwf>(l + r) * a + (sum[0] + sum[1]));
@@ -295,9 +289,12 @@ void prefill_task(const PrefillDims& dm, const float* q, const T* kp, const T* v
     const int t1 = min_of(hi + 1, t0 + KT);
     widen_tile(dm, kp, vp, table, g, t0, t1, hi + 1, kf, vf);
     tile_scores(qt, kf, st, hd, rp);
-    const bool masked = t1 - t0 < KT || t1 - 1 > lowest || t0 < last_window_start;
-    if (masked) mask_tile(st, lowest, rows, rep, t0, t1, dm.window, rp);
-    online_softmax_tile(st, m, l, alpha, rp, masked);
+    if (t1 - t0 < KT || t1 - 1 > lowest || t0 < last_window_start) {
+      mask_tile(st, lowest, rows, rep, t0, t1, dm.window, rp);
+      online_softmax_tile<true>(st, m, l, alpha, rp);
+    } else {
+      online_softmax_tile<false>(st, m, l, alpha, rp);
+    }
     int r = 0;
     for (; r + 4 <= rows; r += 4) tile_values_rows<4>(st, vf, alpha, o, r, hd, rp);
     for (; r + 2 <= rows; r += 2) tile_values_rows<2>(st, vf, alpha, o, r, hd, rp);

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +24,7 @@ from tests.kvcache.test_attention import dense_attention
 needs_prefill = pytest.mark.skipif(not ext.has_paged_prefill(), reason="kernels not built: python -m kernels.build")
 
 BLOCK = 16
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stored(x: np.ndarray, dtype) -> np.ndarray:
@@ -80,27 +84,60 @@ def test_a_chunk_whose_context_crosses_many_blocks_and_tiles(dtype, isa):
 
 
 @needs_prefill
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="key ranges split only over 2+ kernel threads")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.int8])
 @pytest.mark.parametrize("n_heads,n_kv,window", [(9, 3, None), (4, 1, None), (9, 3, 1500)])
 def test_short_chunks_at_a_long_context_split_their_keys(dtype, n_heads, n_kv, window, isa):
-    """Chunks of 2, 7, 32 and 3 tokens after a 2,000-token prefix: one query tile per kv head, fewer tasks than
-    two per thread, so each task's keys are split into parts (on key-tile boundaries, 512+ keys each) and merged;
-    the default model's 3 kv heads, a single kv head (more parts) and a window that starts mid-range."""
-    prefill_in_chunks([2000, 2, 7, 32, 3], n_heads=n_heads, n_kv=n_kv, head_dim=64, dtype=dtype, window=window,
+    """Chunks of 9, 32 and 2 tokens after a 2,000-token prefix. The 9 and 32 are one query tile per kv head, fewer
+    tasks than two per thread and enough work for the threads (paged_prefill.cpp: kMinParallelWork), so with 2+
+    kernel threads each task's keys are split into parts (key-tile boundaries, 512+ keys each) and merged
+    (test_a_split_range_really_splits checks that the split runs); the 2-token chunk stays on one thread. The
+    default model's 3 kv heads, a single kv head (more parts) and a window that starts mid-range."""
+    prefill_in_chunks([2000, 9, 32, 2], n_heads=n_heads, n_kv=n_kv, head_dim=64, dtype=dtype, window=window,
                       seed=n_heads + n_kv)
+
+
+SPLIT_PROBE = """
+import sys
+import kernels.runtime  # noqa: F401
+import mlx.core as mx
+import numpy as np
+from kernels import ext
+ext.load()
+rng = np.random.default_rng(0)
+k, v = (mx.array(rng.standard_normal((200, 3, 16, 64)).astype(np.float32)).astype(mx.float16) for _ in range(2))
+q = mx.array(rng.standard_normal((9, 9, 64)).astype(np.float32))
+out = ext.paged_prefill(q, k, v, mx.array(np.arange(128, dtype=np.int32)), first_position=2039, scale=0.125,
+                        block_size=16, window=0)
+np.save(sys.argv[1], np.array(out))
+"""
+
+
+@needs_prefill
+def test_a_split_range_really_splits(tmp_path):
+    """The same 9-query chunk at context 2,048 on 1 and on 2 kernel threads (METRALE_ATTENTION_THREADS, fixed per
+    process): both agree within float32 rounding, and they are not bit-identical, which only the split's merge
+    (its own order of sums) makes them: the split ran."""
+    outs = []
+    for threads in (1, 2):
+        path = tmp_path / f"out{threads}.npy"
+        env = {**os.environ, "METRALE_ATTENTION_THREADS": str(threads)}
+        subprocess.run([sys.executable, "-c", SPLIT_PROBE, str(path)], check=True, env=env, cwd=ROOT)
+        outs.append(np.load(path))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(outs[0], outs[1])
 
 
 @needs_prefill
 def test_a_bad_block_in_one_part_of_a_split_range_makes_its_rows_nan():
-    """4 queries at context 2,048 (split over the threads when there are 2+): block 100 of the table is outside
-    the pool, so every row is NaN, as when one task reads the whole range; a good table gives finite rows."""
+    """12 queries at context 2,048 with one kv head (one task, split into parts over 2+ threads): block 100 of
+    the table is outside the pool, so every row is NaN, as when one task reads the whole range; a good table
+    gives finite rows."""
     bs, n_kv = 16, 1
     pool = mx.ones((200, n_kv, bs, 64)).astype(mx.float16)
     good = np.arange(128, dtype=np.int32)
     bad = good.copy()
     bad[100] = 9999
     for table, finite in ((good, True), (bad, False)):
-        out = ext.paged_prefill(mx.ones((4, 3, 64)), pool, pool, mx.array(table), first_position=2044,
-                                scale=0.125, block_size=bs, window=0)
-        assert np.isfinite(np.array(out)).all() == finite and (finite or np.isnan(np.array(out)).all())
+        out = np.array(ext.paged_prefill(mx.ones((12, 3, 64)), pool, pool, mx.array(table), first_position=2036,
+                                         scale=0.125, block_size=bs, window=0))
+        assert np.isfinite(out).all() if finite else np.isnan(out).all()
