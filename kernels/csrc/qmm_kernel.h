@@ -288,16 +288,31 @@ inline __m256i in_order(__m256i v) {
   return v;
 }
 
+// acc += bias * xsum: group g's bias term, the last step of each group in every set's epilogue.
+template <int TT, bool F16S>
+inline void add_group_bias(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, int g, __m256 acc[][2]) {
+  const int groups = w.K / w.group_size;
+  const __m256 m[2] = {load8v<F16S>(w.biases, p * groups + g, 0), load8v<F16S>(w.biases, p * groups + g, 1)};
+  for (int t = 0; t < TT; ++t) {
+    const __m256 xs = _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]);
+    for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(m[h], xs, acc[t][h]);
+  }
+}
+
 // 4-bit weights: the whole panel (both 8-row halves, 4 k per 32-bit lane of a ymm) for one or two tokens
 // at a time: each unpacked weight vector meets the tokens' activation words (both planes; each word
 // broadcast once per block, straight from memory) and is dropped, the running sums kept chains (in_order):
 // per token 2 x planes sums, no spills (with two planes, three tokens would need more than the 16 ymm
 // registers; one int8 plane fits four: 8 sums, 4 weight vectors, 2 broadcasts). The int16
 // pair sums of all 8 chunks of a block accumulate before one widening (8 x 2 x 15 x 127 < 2^15). Two-plane
-// activations (int12, int16) keep a sum per plane and combine them per block. The float sums are locals
-// (registers for one token; GCC keeps two tokens' on the stack), the block's scales and the group's
-// biases loaded once for all tokens: acc = fma(cvt(block sum), scale * d, acc) per block, then
+// activations (int12, int16) keep a sum per plane and combine them per block (int12's x16 inside the
+// widening vpmaddwd). The float epilogue: acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
+// With two tokens it runs once per kDeferredBlocks blocks over their integer block sums, parked in L1
+// (isum): run after each block, its chain (widen, convert, fma into sums GCC keeps on the stack) held the
+// vector pipes' queues and cost 12% of the tile (a tile harness on a Zen 3 core, 62 -> 55 cycles per
+// block and token pair). One token keeps it per block: its two float sums live in registers, and the
+// detour through L1 cost the 1-token tile 4-8%.
 // tile() runs 3 and 4 tokens of two-plane activations as pairs: broadcasting a word once per half, as the
 // 8-bit tile below does, cost 7-15% at 8-32 tokens (docs/quantized-kernels.md, "AVX2 on an AVX2-only CPU").
 template <int TT, bool F16S, int ACT>
@@ -306,50 +321,80 @@ void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t 
   constexpr bool WIDE = act_two_planes(ACT);
   constexpr int planes = WIDE ? 2 : 1;
   constexpr int block_bytes = kActBlock * R * 4 / 8;
+  constexpr bool kDeferred = TT > 1;  // the float epilogue after a run of blocks (else after each block)
+  constexpr int kRunBlocks = 16;      // blocks per run (one group where a group has more)
   const uint8_t* panel = w.q + p * panel_bytes(w);
   const __m256i ones16 = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0F);
+  alignas(32) int32_t isum[kDeferred ? kRunBlocks : 1][TT][2][8];  // [block of the run][token][half]
+  const int groups_per_run = kDeferred && per_group < kRunBlocks ? kRunBlocks / per_group : 1;
   __m256 acc[TT][2];
   for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  for (int g = 0; g < groups; ++g) {
-    prefetch_group<F16S>(w, p, g, groups);
-    for (int bb = 0; bb < per_group; ++bb) {
-      const int blk = g * per_group + bb;
-      const uint8_t* wq = panel + static_cast<int64_t>(blk) * block_bytes;
-      for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
-      const int32_t* x[TT][planes];
-      block_words<TT, ACT>(a, t0, blk, K, x);
-      __m256i sum[TT][planes][2];  // [token][plane][half]: int16 pair sums
-      for (int t = 0; t < TT; ++t)
-        for (int l = 0; l < planes; ++l) sum[t][l][0] = sum[t][l][1] = _mm256_setzero_si256();
-      for (int o = 0; o < 4; ++o) {
-        __m256i lo[2], hi[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + h * 32));
-          lo[h] = _mm256_and_si256(v, m4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
+  for (int g_run = 0; g_run < groups; g_run += groups_per_run) {
+    const int g_end = !kDeferred ? g_run + 1 : g_run + groups_per_run < groups ? g_run + groups_per_run : groups;
+    // The integer block sums of the run's groups (into isum; one token: each block's straight into acc).
+    for (int g = g_run; g < g_end; ++g) {
+      prefetch_group<F16S>(w, p, g, groups);
+      for (int bb = 0; bb < per_group; ++bb) {
+        const int blk = g * per_group + bb;
+        const uint8_t* wq = panel + static_cast<int64_t>(blk) * block_bytes;
+        for (int line = 0; line < block_bytes; line += 64) prefetch(wq + kPrefetchBytes + line);
+        const int32_t* x[TT][planes];
+        block_words<TT, ACT>(a, t0, blk, K, x);
+        __m256i sum[TT][planes][2];  // [token][plane][half]: int16 pair sums
         for (int t = 0; t < TT; ++t)
-          for (int l = 0; l < planes; ++l) {
-            const __m256i xlo = _mm256_set1_epi32(x[t][l][2 * o]), xhi = _mm256_set1_epi32(x[t][l][2 * o + 1]);
-            for (int h = 0; h < 2; ++h) {
-              sum[t][l][h] = in_order(_mm256_add_epi16(sum[t][l][h], _mm256_maddubs_epi16(lo[h], xlo)));
-              sum[t][l][h] = in_order(_mm256_add_epi16(sum[t][l][h], _mm256_maddubs_epi16(hi[h], xhi)));
+          for (int l = 0; l < planes; ++l) sum[t][l][0] = sum[t][l][1] = _mm256_setzero_si256();
+        for (int o = 0; o < 4; ++o) {
+          __m256i lo[2], hi[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + o * 64 + h * 32));
+            lo[h] = _mm256_and_si256(v, m4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          }
+          for (int t = 0; t < TT; ++t)
+            for (int l = 0; l < planes; ++l) {
+              const __m256i xlo = _mm256_set1_epi32(x[t][l][2 * o]), xhi = _mm256_set1_epi32(x[t][l][2 * o + 1]);
+              for (int h = 0; h < 2; ++h) {
+                sum[t][l][h] = in_order(_mm256_add_epi16(sum[t][l][h], _mm256_maddubs_epi16(lo[h], xlo)));
+                sum[t][l][h] = in_order(_mm256_add_epi16(sum[t][l][h], _mm256_maddubs_epi16(hi[h], xhi)));
+              }
+            }
+        }
+        __m256 s[2];
+        if constexpr (!kDeferred) s[0] = load8v<F16S>(w.scales, p * groups + g, 0), s[1] = load8v<F16S>(w.scales, p * groups + g, 1);
+        for (int t = 0; t < TT; ++t)
+          for (int h = 0; h < 2; ++h) {
+            __m256i ia;
+            if constexpr (ACT == 12 && kDeferred) {  // X = 16 hi + lo: the x16 inside the widening
+              ia = _mm256_add_epi32(_mm256_madd_epi16(sum[t][0][h], _mm256_set1_epi16(16)),
+                                    _mm256_madd_epi16(sum[t][1][h], ones16));
+            } else {
+              ia = _mm256_madd_epi16(sum[t][0][h], ones16);
+              if constexpr (WIDE) ia = combine_planes<ACT>(ia, _mm256_madd_epi16(sum[t][1][h], ones16));
+            }
+            if constexpr (kDeferred) {
+              _mm256_store_si256(reinterpret_cast<__m256i*>(isum[blk - g_run * per_group][t][h]), ia);
+            } else {
+              const __m256 d = _mm256_set1_ps(a.xd[(t0 + t) * blocks + blk]);
+              acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s[h], d), acc[t][h]);
             }
           }
       }
-      const __m256 s[2] = {load8v<F16S>(w.scales, p * groups + g, 0), load8v<F16S>(w.scales, p * groups + g, 1)};
-      for (int t = 0; t < TT; ++t) {
-        const __m256 d = _mm256_set1_ps(a.xd[(t0 + t) * blocks + blk]);
-        for (int h = 0; h < 2; ++h) {
-          __m256i ia = _mm256_madd_epi16(sum[t][0][h], ones16);
-          if constexpr (WIDE) ia = combine_planes<ACT>(ia, _mm256_madd_epi16(sum[t][planes - 1][h], ones16));
-          acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s[h], d), acc[t][h]);
-        }
-      }
+      if constexpr (!kDeferred) add_group_bias<TT, F16S>(w, a, p, t0, g, acc);
     }
-    const __m256 m[2] = {load8v<F16S>(w.biases, p * groups + g, 0), load8v<F16S>(w.biases, p * groups + g, 1)};
-    for (int t = 0; t < TT; ++t) {
-      const __m256 xs = _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]);
-      for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(m[h], xs, acc[t][h]);
+    if constexpr (kDeferred) {  // the run's float epilogue, from isum
+      for (int g = g_run; g < g_end; ++g) {
+        const __m256 s[2] = {load8v<F16S>(w.scales, p * groups + g, 0), load8v<F16S>(w.scales, p * groups + g, 1)};
+        for (int bb = 0; bb < per_group; ++bb) {
+          const int blk = g * per_group + bb;
+          for (int t = 0; t < TT; ++t) {
+            const __m256 d = _mm256_set1_ps(a.xd[(t0 + t) * blocks + blk]);
+            for (int h = 0; h < 2; ++h) {
+              const __m256i ia = _mm256_load_si256(reinterpret_cast<const __m256i*>(isum[blk - g_run * per_group][t][h]));
+              acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s[h], d), acc[t][h]);
+            }
+          }
+        }
+        add_group_bias<TT, F16S>(w, a, p, t0, g, acc);
+      }
     }
   }
   for (int t = 0; t < TT; ++t) {
