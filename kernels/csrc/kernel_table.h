@@ -84,6 +84,7 @@ struct QmmWeights {
   int64_t panels;  // P
   int K, bits, group_size;
   bool f16_scales;  // scales / biases are float16 bits (else float32)
+  bool unpacked = false;  // bits 4 with one byte per weight (AVX2 run_panels' unpack_panel), else as above
 };
 
 // Activations x (T, K) float32 quantized per row and block of 32 values, m = max|x| per block, to
