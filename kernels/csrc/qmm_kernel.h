@@ -363,7 +363,7 @@ inline void add_group_bias(const QmmWeights& w, const QmmActs& a, int64_t p, int
 // activations (int12, int16) keep a sum per plane and combine them per block (int12's x16 inside the
 // widening vpmaddwd). The float epilogue: acc = fma(cvt(block sum), scale * d, acc) per block, then
 // fma(bias, xsum, acc) per group, in K order: the same operations, in the same order, as every set.
-// With two tokens it runs once per kDeferredBlocks blocks over their integer block sums, parked in L1
+// With two tokens it runs once per kRunBlocks (16) blocks over their integer block sums, parked in L1
 // (isum): run after each block, its chain (widen, convert, fma into sums GCC keeps on the stack) held the
 // vector pipes' queues and cost 12% of the tile (a tile harness on a Zen 3 core, 62 -> 55 cycles per
 // block and token pair). One token keeps it per block: its two float sums live in registers, and the
@@ -424,7 +424,7 @@ void tile_both_halves(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t 
         for (int t = 0; t < TT; ++t)
           for (int h = 0; h < 2; ++h) {
             __m256i ia;
-            if constexpr (ACT == 12 && kDeferred) {  // X = 16 hi + lo: the x16 inside the widening
+            if constexpr (ACT == 12) {  // X = 16 hi + lo: the x16 inside the widening
               ia = _mm256_add_epi32(_mm256_madd_epi16(sum[t][0][h], _mm256_set1_epi16(16)),
                                     _mm256_madd_epi16(sum[t][1][h], ones16));
             } else {
@@ -650,7 +650,7 @@ void run_panels(const QmmWeights& w, const QmmActs& a, const QmmOut& o, int64_t 
   for (int64_t p = p_begin; p < p_end; ++p) {
     const int64_t col0 = (p - o.first_panel) * R;
     const int cols = static_cast<int>(kernel::min_of<int64_t>(R, o.columns - col0));
-    // the panel(s) the tiles read, and their index in it
+    // the panel the tiles read (and the GLU's up panel), and its index there: w's, or an unpacked copy
     QmmWeights first = w, second = w;
     int64_t first_p = o.glu < 0 ? p : 2 * p, second_p = 2 * p + 1;
 #if defined(METRALE_QMM_AVX2)
