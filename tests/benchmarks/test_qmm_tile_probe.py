@@ -1,7 +1,8 @@
 """benchmarks/qmm_tile_probe.cpp, the one-core timing of the AVX2 quantized-matmul tiles that
-docs/quantized-kernels.md cites, still builds against the kernel and agrees with its own float64 reference:
-for one and two tokens (packed weights) and from three on (run_panels unpacks each panel once), with each
-activation precision, over a K whose blocks end mid-run of the deferred epilogue."""
+docs/quantized-kernels.md cites, still builds against the kernel and agrees with its own float64 reference,
+with each activation precision, over a K whose blocks end mid-run of the deferred epilogue: 1-8 tokens read
+the packed weights; 16 and 33 (pairs and a one-token tail) the panels run_panels unpacks once from
+kUnpackMinTokens (16) tokens on."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def probe(tmp_path_factory):
     return exe
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 16, 33])
 @pytest.mark.parametrize("activation_bits", [8, 12, 16])
 def test_the_tiles_match_the_reference(probe, tokens, activation_bits):
     # K = 1056: 33 blocks, two full runs of 16 and one of a single block
