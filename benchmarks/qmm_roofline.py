@@ -130,7 +130,8 @@ def main() -> None:
     if roof:
         print(f"roofs ({threads} threads, {roof['isa']}): int8 peak {roof['int8_gops_cpu']:.0f} GOP/s per CPU "
               f"time ({roof['int8_gops_wall']:.0f} wall); read {roof['read_gbs_cpu']:.1f} GB/s per CPU time "
-              f"({roof['read_gbs_wall']:.1f} wall), {args.buffer_mib} MiB buffer")
+              f"({roof['read_gbs_wall']:.1f} wall), on huge pages {roof['read_huge_gbs_cpu']:.1f} "
+              f"({roof['read_huge_gbs_wall']:.1f}), {args.buffer_mib} MiB buffer")
     clock = CLOCK[args.clock]
     rows = []
     shapes = SHAPES[args.shape]

@@ -2,7 +2,10 @@
 //   peak    int8 dot products: a tight loop of independent 512-bit vpdpbusd (AVX-512 VNNI; 64 u8 x s8
 //           multiply-adds each), or of vpmaddubsw + vpaddw on 256 bits (AVX2: 32 per 2 ops, int16 sums)
 //   read    a STREAM-like read (sum of 64-bit words, 4 accumulators, 512- or 256-bit loads) of a buffer
-//           larger than the caches, split over the same number of threads as the kernels
+//           larger than the caches, split over the same number of threads as the kernels: once on 4 KiB
+//           pages (read_gbs_*), once on transparent huge pages (read_huge_gbs_*, madvise(MADV_HUGEPAGE)
+//           before the first touch, as the loader holds the weights: ext.huge_page_copy; huge_pages_advised
+//           is false where the advice failed, and then both reads are of 4 KiB pages)
 // Each thread's own CPU time is measured as well as the wall time: on a shared machine the CPU-time
 // rate is what a core does while it runs. Prints one JSON object.
 //
@@ -10,6 +13,7 @@
 //   ./probe THREADS BUFFER_MIB
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,6 +108,44 @@ static uint64_t read_sum(const uint64_t* p, size_t words) {
 #endif
 }
 
+// The best of 5 reads of buf (threads slices of per words, each first touched by its own thread): wall and
+// slowest-thread CPU seconds; *total keeps the sums alive.
+static void time_read(const uint64_t* buf, size_t per, double* best_wall, double* best_cpu, uint64_t* total) {
+  *best_wall = *best_cpu = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    double cpu_slowest = 0;
+    uint64_t sum = 0;
+    const double r0 = now(CLOCK_MONOTONIC);
+#pragma omp parallel reduction(+ : sum) reduction(max : cpu_slowest)
+    {
+      const double c0 = now(CLOCK_THREAD_CPUTIME_ID);
+      sum += read_sum(buf + omp_get_thread_num() * per, per);
+      cpu_slowest = now(CLOCK_THREAD_CPUTIME_ID) - c0;
+    }
+    const double wall = now(CLOCK_MONOTONIC) - r0;
+    *total += sum;
+    if (wall < *best_wall) *best_wall = wall;
+    if (cpu_slowest < *best_cpu) *best_cpu = cpu_slowest;
+  }
+}
+
+// A buffer of `words` 64-bit words, 2 MiB aligned, advised onto huge pages when `huge` (*advised: whether
+// the kernel took the advice), each thread's slice of `per` words first touched by that thread.
+static uint64_t* read_buffer(size_t words, size_t per, int huge, int* advised) {
+  const size_t huge_page = (size_t)2 << 20, bytes = (words * 8 + huge_page - 1) / huge_page * huge_page;
+  uint64_t* buf = aligned_alloc(huge_page, bytes);
+  *advised = 0;
+  if (!buf) return NULL;
+#if defined(MADV_HUGEPAGE)
+  if (huge) *advised = madvise(buf, bytes, MADV_HUGEPAGE) == 0;
+#else
+  (void)huge;
+#endif
+#pragma omp parallel
+  memset(buf + omp_get_thread_num() * per, 1, per * 8);
+  return buf;
+}
+
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? atoi(argv[1]) : 1;
   const size_t mib = argc > 2 ? (size_t)atol(argv[2]) : 1024;
@@ -125,31 +167,22 @@ int main(int argc, char** argv) {
   const double dot_wall = now(CLOCK_MONOTONIC) - t0;
   // read: the buffer split in one contiguous slice per thread, touched first by its own thread
   const size_t words = mib << 17, per = words / threads / 32 * 32;
-  uint64_t* buf = aligned_alloc(64, words * 8);
-  if (!buf) {
-    fprintf(stderr, "cannot allocate %zu MiB\n", mib);
-    return 1;
-  }
-#pragma omp parallel
-  memset(buf + omp_get_thread_num() * per, 1, per * 8);
-  double best_wall = 1e30, best_cpu = 1e30;
+  double best_wall, best_cpu, huge_wall, huge_cpu;
   uint64_t total = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    double cpu_slowest = 0;
-    const double r0 = now(CLOCK_MONOTONIC);
-#pragma omp parallel reduction(+ : total) reduction(max : cpu_slowest)
-    {
-      const double c0 = now(CLOCK_THREAD_CPUTIME_ID);
-      total += read_sum(buf + omp_get_thread_num() * per, per);
-      cpu_slowest = now(CLOCK_THREAD_CPUTIME_ID) - c0;
+  int advised;
+  for (int huge = 0; huge < 2; ++huge) {  // one buffer at a time: the two would not fit everywhere
+    uint64_t* buf = read_buffer(words, per, huge, &advised);
+    if (!buf) {
+      fprintf(stderr, "cannot allocate %zu MiB\n", mib);
+      return 1;
     }
-    const double wall = now(CLOCK_MONOTONIC) - r0;
-    if (wall < best_wall) best_wall = wall;
-    if (cpu_slowest < best_cpu) best_cpu = cpu_slowest;
+    time_read(buf, per, huge ? &huge_wall : &best_wall, huge ? &huge_cpu : &best_cpu, &total);
+    free(buf);
   }
   const double bytes = (double)per * 8 * threads;
   printf("{\"threads\": %d, \"isa\": \"%s\", \"int8_gops_wall\": %.1f, \"int8_gops_cpu\": %.1f, "
-         "\"read_mib\": %zu, \"read_gbs_wall\": %.2f, \"read_gbs_cpu\": %.2f, \"sink\": %llu}\n",
+         "\"read_mib\": %zu, \"read_gbs_wall\": %.2f, \"read_gbs_cpu\": %.2f, \"read_huge_gbs_wall\": %.2f, "
+         "\"read_huge_gbs_cpu\": %.2f, \"huge_pages_advised\": %s, \"sink\": %llu}\n",
          threads,
 #if defined(__AVX512VNNI__)
          "avx512-vnni vpdpbusd",
@@ -157,7 +190,7 @@ int main(int argc, char** argv) {
          "avx2 vpmaddubsw+vpaddw",
 #endif
          2 * macs / dot_wall * 1e-9, 2 * macs / cpu_max * 1e-9, mib, bytes / best_wall * 1e-9,
-         bytes / best_cpu * 1e-9, (unsigned long long)(total + (uint64_t)sink));
-  free(buf);
+         bytes / best_cpu * 1e-9, bytes / huge_wall * 1e-9, bytes / huge_cpu * 1e-9, advised ? "true" : "false",
+         (unsigned long long)(total + (uint64_t)sink));
   return 0;
 }

@@ -32,6 +32,10 @@ and `--chunk` new tokens each (1: a decode step; more: a prompt chunk, sampled a
                  rms_norm and residual_add are timed apart, while the step fuses each add into the
                  next norm (AddRmsNormCPU): on a prompt chunk they count twice and this goes negative
   weight_gbs_*   the packed weight bytes (weight_mib) over step_ms and over matmul_ms: the decode's read rate
+With --read-roof, after the timings: the machine's read bandwidth (benchmarks/roofline_probe.c, same thread
+count, --read-roof-mib of buffer (1 GiB), the wall rate on 4 KiB and on huge pages: read_gbs, read_huge_gbs) and weight_read_share_step /
+_matmul, weight_gbs_* over the higher of the two: the issue's "decode reads the weights at >= 85% of the
+measured read bandwidth".
   --pages mlx    the packed weights left on MLX's 4 KiB pages (default: huge pages, as the loader does)
   --ab           instead: step_ms with this branch's decode fusions on / off, alternated (best, median)
 """
@@ -278,6 +282,9 @@ def main() -> None:
     parser.add_argument("--pages", choices=("huge", "mlx"), default="huge",
                         help="the packed weights on huge pages as the loader puts them, or left on MLX's own "
                              "4 KiB pages (for an A/B of ext.huge_page_copy: run both, alternated)")
+    parser.add_argument("--read-roof", action="store_true",
+                        help="also measure the read bandwidth (roofline_probe.c) and the weights' share of it")
+    parser.add_argument("--read-roof-mib", type=int, default=1024, help="the read probe's buffer (larger than the caches)")
     parser.add_argument("--ab", action="store_true",
                         help="only step_ms with the decode fusions on and off, alternated (set_decode_fusions)")
     args = parser.parse_args()
@@ -314,7 +321,23 @@ def main() -> None:
               "weight_mib": round(weight_bytes(runner) / 2**20, 1),
               "weight_gbs_step": round(weight_bytes(runner) / full * 1e-9, 2),
               "weight_gbs_matmul": round(weight_bytes(runner) / bound * 1e-9, 2)}
+    if args.read_roof:
+        result.update(read_roof(weight_bytes(runner) / full * 1e-9, weight_bytes(runner) / bound * 1e-9,
+                                args.read_roof_mib))
     print(json.dumps(result, indent=2))
+
+
+def read_roof(step_gbs: float, matmul_gbs: float, mib: int) -> dict:
+    """The read probe's GB/s (4 KiB and huge pages, wall) and the weights' read rate as a share of the higher."""
+    from benchmarks.qmm_roofline import roofs  # noqa: PLC0415  (compiles the probe: only with --read-roof)
+
+    roof = roofs(ext.cpu_isa() or "", len(os.sched_getaffinity(0)), mib)  # the kernels' default threads
+    if not roof:
+        return {"read_roof": "no C compiler or no probe for this instruction set"}
+    best = max(roof["read_gbs_wall"], roof["read_huge_gbs_wall"])
+    return {"read_gbs": roof["read_gbs_wall"], "read_huge_gbs": roof["read_huge_gbs_wall"],
+            "huge_pages_advised": roof["huge_pages_advised"],
+            "weight_read_share_step": round(step_gbs / best, 3), "weight_read_share_matmul": round(matmul_gbs / best, 3)}
 
 
 if __name__ == "__main__":

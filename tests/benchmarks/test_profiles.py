@@ -28,6 +28,21 @@ def test_step_profile_splits_a_prompt_chunk(tiny_model):
         assert profile["node_kinds"].get("PagedPrefill", 0) > 0 and "PagedDecode" not in profile["node_kinds"]
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the read probe needs a C compiler")
+def test_step_profile_measures_the_decodes_share_of_the_read_bandwidth(tiny_model):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--model", tiny_model,
+                          "--batch", "1", "--context", "16", "--repeat", "1", "--kv-cache-mib", "64", "--read-roof",
+                          "--read-roof-mib", "64"],
+                         check=True, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    profile = json.loads(out.stdout)
+    if "read_roof" in profile:  # no probe for this instruction set
+        pytest.skip(profile["read_roof"])
+    assert profile["read_gbs"] > 0 and profile["read_huge_gbs"] > 0
+    best = max(profile["read_gbs"], profile["read_huge_gbs"])
+    assert profile["weight_read_share_step"] == pytest.approx(profile["weight_gbs_step"] / best, abs=0.01)
+    assert profile["weight_read_share_matmul"] == pytest.approx(profile["weight_gbs_matmul"] / best, abs=0.01)
+
+
 def test_step_profile_refuses_an_ab_of_prompt_chunks():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--ab", "--chunk", "4"],
                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -64,3 +79,4 @@ def test_the_peak_probe_runs_the_multiplies_it_counts(tmp_path, flags, instructi
                        check=True)
         roof = json.loads(subprocess.run([str(exe), "1", "64"], check=True, capture_output=True, text=True).stdout)
         assert roof["isa"] == "avx2 vpmaddubsw+vpaddw" and roof["int8_gops_cpu"] > 0 and roof["read_gbs_cpu"] > 0
+        assert roof["read_huge_gbs_cpu"] > 0 and isinstance(roof["huge_pages_advised"], bool)
