@@ -30,9 +30,10 @@ namespace metrale {
 
 namespace {
 
-constexpr int64_t kMinParallelWork = 1 << 14;  // keys x heads below which threads cost more than they save
+constexpr int64_t kMinParallelWork = 1 << 12;  // keys x heads below which threads cost more than they save
 constexpr int kTasksPerThread = 4;  // split long contexts until the threads have this many tasks each
 constexpr int kMinSplitKeys = 256;  // ... but never into parts shorter than this (the merge costs a pass)
+constexpr int kMinShortSplitKeys = 64;  // ... except to give every thread a task at all (a short row alone)
 
 Dtype kernel_dtype(mx::Dtype dtype) {
   if (dtype == mx::int8) return Dtype::q8;
@@ -62,6 +63,8 @@ struct DecodeTask {
 
 // Whole rows, unless there are fewer than threads x kTasksPerThread of them: then every row longer than
 // `part` keys (whole blocks, at least kMinSplitKeys) is split into parts of `part` keys (flash decoding).
+// Where parts of kMinSplitKeys would still leave a thread without a task (one row of a few hundred
+// keys: every decode step of one stream), the parts shrink to one per thread, down to kMinShortSplitKeys.
 std::vector<DecodeTask> plan_tasks(const DecodeDims& dm, const std::vector<KeyRange>& ranges, int width,
                                    int64_t* n_partials) {
   int64_t total = 0, rows = 0;
@@ -70,6 +73,7 @@ std::vector<DecodeTask> plan_tasks(const DecodeDims& dm, const std::vector<KeyRa
   int64_t part = std::numeric_limits<int>::max();
   if (width > 1 && rows < want) {
     part = std::max<int64_t>(kMinSplitKeys, (total + want - 1) / want);
+    if (total < part * width) part = std::max<int64_t>(kMinShortSplitKeys, (total + width - 1) / width);
     part = (part + dm.block_size - 1) / dm.block_size * dm.block_size;
   }
   std::vector<DecodeTask> tasks;

@@ -151,11 +151,24 @@ def test_long_contexts_split_and_merged(dtype):
     np.testing.assert_allclose(got, want, **TOL)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_one_short_row_is_split_so_every_thread_has_a_part(dtype):
+    """One stream's decode at a few hundred keys: parts of kMinSplitKeys (256) would leave a thread idle, so
+    the row is cut into one part per thread (plan_tasks' short split), merged like the long ones."""
+    got, want = run_case(12, [200], 32, 8, 64, dtype, scale=0.6)
+    np.testing.assert_allclose(got, want, **TOL)
+    got, want = run_case(13, [300], 24, 8, 128, dtype, window=170, scale=0.5)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
 SPLIT_SCRIPT = """
 import numpy as np
 from tests.kernels import test_paged_decode as t
 for dtype, window in (("float16", 0), ("int8", 0), ("float32", 900)):
     got, want = t.run_case(9, [3000, 700, 16], 9, 3, 64, dtype, window=window, scale=0.5)
+    np.testing.assert_allclose(got, want, **t.TOL)
+    got, want = t.run_case(14, [300], 24, 8, 128, dtype, window=window // 4, scale=0.5)  # 3 short parts
     np.testing.assert_allclose(got, want, **t.TOL)
 print("ok")
 """
