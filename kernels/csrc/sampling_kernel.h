@@ -3,10 +3,13 @@
 // argmax_range: greedy argmax over a range of one row. Exactly mx.argmax's answer (mlx 0.32, CPU): the
 // first index of the largest value; -0.0 ties +0.0; a row of -inf gives its first index; a NaN beats
 // every number and the FIRST NaN wins.
-// 16 lanes as GCC vector extensions: one AVX-512 register in the avx512 build, two AVX2 registers in
-// the avx2 build, SSE pairs in the baseline build. Each lane keeps its own first maximum (strict >),
-// so the lowest index among the lanes holding the maximum is the row's first one. NaN never passes
-// `>`, so the loop only notes that one was seen; the rare row with a NaN is scanned again for it.
+// 16 lanes, as two 8-lane GCC vector extensions (lanes 0-7 and 8-15 of each 16 values): two AVX2
+// registers in the avx2 build, SSE pairs in the baseline build, halves of one in the avx512 build. (One
+// 16-lane vector, as this was until issue 23's stop 15, GCC compiled for AVX2 into a scalar loop, a
+// `vucomiss` per value: the kernel took 7.4 ms for (32, 128256) logits where mx.argmax took 4.7.) Each
+// lane keeps its own first maximum (strict >), so the lowest index among the lanes holding the maximum is
+// the row's first one. NaN never passes `>`, so the loop only notes that one was seen; the rare row with a
+// NaN is scanned again for it.
 // Compiled per instruction set inside namespace METRALE_ISA_NS (isa_kernels.cpp).
 #pragma once
 
@@ -18,39 +21,41 @@
 
 namespace metrale::METRALE_ISA_NS::kernel {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
 // x[begin, end) of one row (end - begin < 2^31): its maximum, the index (from x) of its first
 // occurrence, and the index of its first NaN (-1 without one).
 inline ArgmaxPart argmax_range(const float* x, int64_t begin, int64_t end) {
   ArgmaxPart part{x[begin], begin, -1};
   int64_t i = begin;
   if (end - begin >= 16) {
-    v16f best;
-    std::memcpy(&best, x + begin, sizeof(best));
-    v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16i index = lane;  // offsets from begin
-    v16i unordered = best != best;
+    v8f best[2];  // [half]: lanes 0-7, 8-15
+    v8i lane[2] = {{0, 1, 2, 3, 4, 5, 6, 7}, {8, 9, 10, 11, 12, 13, 14, 15}}, index[2], unordered[2];
+    for (int h = 0; h < 2; ++h) {
+      std::memcpy(&best[h], x + begin + 8 * h, sizeof(v8f));
+      index[h] = lane[h];  // offsets from begin
+      unordered[h] = best[h] != best[h];
+    }
     for (i = begin + 16; i + 16 <= end; i += 16) {
-      v16f v;
-      std::memcpy(&v, x + i, sizeof(v));
-      lane += 16;
-      const v16i greater = v > best;
-      best = greater ? v : best;
-      index = greater ? lane : index;
-      unordered |= v != v;
+      for (int h = 0; h < 2; ++h) {
+        v8f v;
+        std::memcpy(&v, x + i + 8 * h, sizeof(v));
+        lane[h] += 16;
+        const v8i greater = v > best[h];
+        best[h] = greater ? v : best[h];
+        index[h] = greater ? lane[h] : index[h];
+        unordered[h] |= v != v;
+      }
     }
     bool any_nan = false;
-    for (int l = 0; l < 16; ++l) any_nan |= unordered[l] != 0;
+    for (int l = 0; l < 16; ++l) any_nan |= unordered[l / 8][l % 8] != 0;
     if (any_nan) {
       for (int64_t j = begin; j < i; ++j)
         if (x[j] != x[j]) return ArgmaxPart{x[j], j, j};
     }
-    part = ArgmaxPart{best[0], begin + index[0], -1};
+    part = ArgmaxPart{best[0][0], begin + index[0][0], -1};
     for (int l = 1; l < 16; ++l) {
-      const int64_t at = begin + index[l];
-      if (best[l] > part.value || (best[l] == part.value && at < part.index)) part = ArgmaxPart{best[l], at, -1};
+      const float value = best[l / 8][l % 8];
+      const int64_t at = begin + index[l / 8][l % 8];
+      if (value > part.value || (value == part.value && at < part.index)) part = ArgmaxPart{value, at, -1};
     }
   }
   for (; i < end; ++i) {
