@@ -130,14 +130,17 @@ static void time_read(const uint64_t* buf, size_t per, double* best_wall, double
 }
 
 // A buffer of `words` 64-bit words, 2 MiB aligned, advised onto huge pages when `huge` (*advised: whether
-// the kernel took the advice), each thread's slice of `per` words first touched by that thread.
+// the kernel took the advice) and off them otherwise, each thread's slice of `per` words first touched by
+// that thread.
 static uint64_t* read_buffer(size_t words, size_t per, int huge, int* advised) {
   const size_t huge_page = (size_t)2 << 20, bytes = (words * 8 + huge_page - 1) / huge_page * huge_page;
   uint64_t* buf = aligned_alloc(huge_page, bytes);
   *advised = 0;
   if (!buf) return NULL;
-#if defined(MADV_HUGEPAGE)
-  if (huge) *advised = madvise(buf, bytes, MADV_HUGEPAGE) == 0;
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+  // (NOHUGEPAGE: with transparent huge pages "always", an unadvised buffer would get them too)
+  const int ok = madvise(buf, bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0;
+  *advised = huge && ok;
 #else
   (void)huge;
 #endif
