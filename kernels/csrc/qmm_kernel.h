@@ -97,9 +97,19 @@ inline kernel::v8i round8(v8f v) {
   return out;
 }
 
+// q's 8 values (each within int8's range) as 8 bytes at p. On x86 two saturating packs, exact here: GCC
+// compiled __builtin_convertvector for AVX2 into a vpextrd, shift and or per value (~30 scalar
+// instructions per 8 values: 1.5-1.7% of a prompt chunk's or a 32-stream step's samples in quantize).
 inline void store_int8(int8_t* p, kernel::v8i q) {
+#if defined(__SSE2__)
+  __m128i half[2];
+  std::memcpy(half, &q, sizeof(half));
+  const __m128i words = _mm_packs_epi32(half[0], half[1]);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+#else
   const v8b q8 = __builtin_convertvector(q, v8b);
   std::memcpy(p, &q8, sizeof(q8));
+#endif
 }
 
 // Rows [t_begin, t_end) of x (T, K), per block of 32 with m = max|x| (QmmActs, kernel_table.h):
