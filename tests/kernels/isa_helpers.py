@@ -1,9 +1,13 @@
 """Running a kernel call on one kernel set. The kernels read the chosen set when MLX evaluates, not when the
 graph is built, so the result is evaluated before the set is restored: a lazy array returned past the switch
-would run on the restored set (and a comparison of two sets would compare one set with itself)."""
+would run on the restored set (and a comparison of two sets would compare one set with itself). And reading
+what the compiler made of a kernel set's function (avx2_disassembly)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -21,3 +25,16 @@ def evaluated_on(isa: str, fn: Callable[[], Any]) -> Any:
         return out
     finally:
         ext.set_cpu_isa("auto")
+
+
+AVX2_OBJECT = Path(__file__).resolve().parents[2] / "kernels" / "build" / "CMakeFiles" / "isa_avx2.dir" / "isa_kernels.cpp.o"
+
+
+def avx2_disassembly(symbol: str) -> str | None:
+    """objdump's disassembly of the mangled `symbol` in the avx2 kernel set's build object; None without the
+    object (no avx2 set built here), objdump, or an objdump that can disassemble one symbol."""
+    if not AVX2_OBJECT.exists() or shutil.which("objdump") is None:
+        return None
+    run = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={symbol}", str(AVX2_OBJECT)],
+                         capture_output=True, text=True)
+    return run.stdout if run.returncode == 0 and "<" in run.stdout else None

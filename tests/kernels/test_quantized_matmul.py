@@ -24,6 +24,7 @@ import pytest
 
 from kernels import ext as _ext
 from kernels import qmm
+from tests.kernels.isa_helpers import avx2_disassembly
 
 kernel = _ext.load()
 needs_kernel = pytest.mark.skipif(kernel is None or not _ext.has_qmm_kernels(),
@@ -364,3 +365,16 @@ def test_isa_objects_share_no_symbols_outside_their_namespace():
         weak = [line for line in out.stdout.splitlines() if line[17:18] in ("W", "V", "u")]
         leaked = [line for line in weak if f"metrale::{name}::" not in line and "__gxx_personality" not in line]
         assert not leaked, f"{name}: {leaked[:5]}"
+
+
+@needs_kernel
+def test_the_avx2_activation_quantizer_packs_its_int8_stores():
+    """GCC lowered the quantizer's int32 -> int8 conversion (__builtin_convertvector) for AVX2 to a vpextrd,
+    shift and or per value (3x the quantizer's time); store_int8 packs with packssdw / packsswb now."""
+    out = avx2_disassembly("_ZN7metrale4avx23qmm8quantizeEPKfRKNS_7QmmActsEll")
+    if out is None:
+        pytest.skip("no avx2 build object (kernels/build) or no objdump that disassembles one symbol")
+    assert "quantize" in out, "the avx2 quantize symbol is gone: update this test"
+    packs = sum("packssdw" in line for line in out.splitlines())
+    extracts = sum("pextrd" in line for line in out.splitlines())
+    assert packs >= 4 and extracts < packs, f"{packs} packssdw, {extracts} pextrd: the int8 stores are scalar again"

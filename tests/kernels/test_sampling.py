@@ -11,6 +11,7 @@ import pytest
 
 from kernels import ext as _ext
 from kernels.sampling import argmax_fn, logsumexp_fn
+from tests.kernels.isa_helpers import avx2_disassembly
 
 kernel = _ext.load()
 needs_kernel = pytest.mark.skipif(kernel is None or not hasattr(kernel, "argmax_rows"),
@@ -151,20 +152,10 @@ def test_logsumexp_rows_special_rows_and_fallback():
 def test_the_avx2_argmax_loop_compares_eight_values_at_a_time():
     """GCC turned the 16-lane vector-extension loop this kernel had into scalar code for AVX2 (a `vucomiss`
     per value: 7.4 ms for (32, 128256) logits, slower than mx.argmax); the avx2 argmax_range compares whole
-    ymm registers now. Reads the built object (kernels/build) with objdump."""
-    import os
-    import shutil
-    import subprocess
-
-    obj = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels",
-                       "build", "CMakeFiles", "isa_avx2.dir", "isa_kernels.cpp.o")
-    if not os.path.exists(obj) or shutil.which("objdump") is None:
-        pytest.skip("no avx2 build object (kernels/build) or no objdump")
-    run = subprocess.run(["objdump", "-d", "--no-show-raw-insn",
-                          "--disassemble=_ZN7metrale4avx26kernel12argmax_rangeEPKfll", obj], capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.skip(f"objdump cannot disassemble one symbol here: {run.stderr[-200:]}")
-    out = run.stdout
+    ymm registers now."""
+    out = avx2_disassembly("_ZN7metrale4avx26kernel12argmax_rangeEPKfll")
+    if out is None:
+        pytest.skip("no avx2 build object (kernels/build) or no objdump that disassembles one symbol")
     assert "argmax_range" in out, "the avx2 argmax_range symbol is gone: update this test"
     compares = [line for line in out.splitlines() if "vcmp" in line and "ps" in line and "%ymm" in line]
     assert any("lt" in line or "gt" in line for line in compares), "the avx2 argmax loop no longer compares ymm"
