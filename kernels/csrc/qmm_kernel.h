@@ -97,11 +97,12 @@ inline kernel::v8i round8(v8f v) {
   return out;
 }
 
-// q's 8 values (each within int8's range) as 8 bytes at p. On x86 two saturating packs, exact here: GCC
-// compiled __builtin_convertvector for AVX2 into a vpextrd, shift and or per value (~30 scalar
-// instructions per 8 values: 1.5-1.7% of a prompt chunk's or a 32-stream step's samples in quantize).
+// q's 8 values (each within int8's range) as 8 bytes at p. On x86 without AVX-512 two saturating packs
+// (exact here): GCC compiled __builtin_convertvector for AVX2 into a vpextrd, shift and or per value (~30
+// scalar instructions per 8 values; quantize was 1.5-1.7% of a prompt chunk's or a 32-stream step's
+// samples, 3x what it takes now).
 inline void store_int8(int8_t* p, kernel::v8i q) {
-#if defined(__SSE2__)
+#if defined(__SSE2__) && !defined(__AVX512VL__)  // (with AVX-512 VL the conversion is one vpmovdb)
   __m128i half[2];
   std::memcpy(half, &q, sizeof(half));
   const __m128i words = _mm_packs_epi32(half[0], half[1]);
