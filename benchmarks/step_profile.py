@@ -331,7 +331,7 @@ def read_roof(step_gbs: float, matmul_gbs: float, mib: int) -> dict:
     """The read probe's GB/s (4 KiB and huge pages, wall) and the weights' read rate as a share of the higher."""
     from benchmarks.qmm_roofline import roofs  # noqa: PLC0415  (compiles the probe: only with --read-roof)
 
-    roof = roofs(ext.cpu_isa() or "", len(os.sched_getaffinity(0)), mib)  # the kernels' default threads
+    roof = roofs(ext.cpu_isa() or "", ext.load().num_threads(), mib)  # as many threads as the kernels use
     if not roof:
         return {"read_roof": "no C compiler or no probe for this instruction set"}
     best = max(roof["read_gbs_wall"], roof["read_huge_gbs_wall"])

@@ -27,14 +27,20 @@ def evaluated_on(isa: str, fn: Callable[[], Any]) -> Any:
         ext.set_cpu_isa("auto")
 
 
-AVX2_OBJECT = Path(__file__).resolve().parents[2] / "kernels" / "build" / "CMakeFiles" / "isa_avx2.dir" / "isa_kernels.cpp.o"
+BUILD_OBJECTS = Path(__file__).resolve().parents[2] / "kernels" / "build" / "CMakeFiles"
+
+
+def isa_object(isa: str, source: str = "isa_kernels.cpp") -> Path:
+    """Kernel set `isa`'s build object of `source` (left in kernels/build by `python -m kernels.build`)."""
+    return BUILD_OBJECTS / f"isa_{isa}.dir" / f"{source}.o"
 
 
 def avx2_disassembly(symbol: str) -> str | None:
     """objdump's disassembly of the mangled `symbol` in the avx2 kernel set's build object; None without the
     object (no avx2 set built here), objdump, or an objdump that can disassemble one symbol."""
-    if not AVX2_OBJECT.exists() or shutil.which("objdump") is None:
+    obj = isa_object("avx2")
+    if not obj.exists() or shutil.which("objdump") is None:
         return None
-    run = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={symbol}", str(AVX2_OBJECT)],
+    run = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={symbol}", str(obj)],
                          capture_output=True, text=True)
     return run.stdout if run.returncode == 0 and "<" in run.stdout else None

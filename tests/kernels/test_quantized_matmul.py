@@ -24,7 +24,7 @@ import pytest
 
 from kernels import ext as _ext
 from kernels import qmm
-from tests.kernels.isa_helpers import avx2_disassembly
+from tests.kernels.isa_helpers import avx2_disassembly, isa_object
 
 kernel = _ext.load()
 needs_kernel = pytest.mark.skipif(kernel is None or not _ext.has_qmm_kernels(),
@@ -354,9 +354,8 @@ def test_isa_objects_share_no_symbols_outside_their_namespace():
     """Code compiled with AVX2/AVX-512 flags must not be linker-merged into baseline code: every
     weak (inline) symbol of an ISA object lives in its own metrale::<isa> namespace."""
     sources = {"avx512_amx": "qmm_amx.cpp"}  # the avx512 set's table with AMX panels, its own object
-    objects = [os.path.join(ROOT, "kernels", "build", "CMakeFiles", f"isa_{name}.dir",
-                            sources.get(name, "isa_kernels.cpp") + ".o") for name in ISAS]
-    if not all(os.path.exists(o) for o in objects):
+    objects = [isa_object(name, sources.get(name, "isa_kernels.cpp")) for name in ISAS]
+    if not all(o.exists() for o in objects):
         pytest.skip("build objects not found (kernels/build)")
     for path, name in zip(objects, ISAS):
         out = subprocess.run(["nm", "-C", path], capture_output=True, text=True)
