@@ -73,7 +73,7 @@ def roofs(isa: str, threads: int, buffer_mib: int) -> dict:
 def random_packed(n: int, k: int, seed: int, huge_pages: bool) -> tuple[mx.array, mx.array, mx.array]:
     """A (N, K) 4-bit group-32 weight already in the kernels' layout: q (N/16, 16 K / 2) uint8, scales and
     biases (N/16, K/32, 16) float16 (random bytes are a valid packing of random nibbles); huge_pages: moved
-    to huge pages as the loader does (QuantizedLinearCPU, ext.huge_page_copy)."""
+    to huge pages as the loader places them (kernels.qmm.pack_layers)."""
     key = mx.random.key(seed)
     q = mx.random.randint(0, 256, (n // 16, 8 * k), dtype=mx.int32, key=key).astype(mx.uint8)
     scales = (mx.random.uniform(0.001, 0.01, (n // 16, k // 32, 16), key=key)).astype(mx.float16)

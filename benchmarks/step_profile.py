@@ -54,7 +54,7 @@ import kernels.runtime  # noqa: F401  (the OpenBLAS preload, before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from kernels import ext  # noqa: E402
+from kernels import ext, qmm  # noqa: E402
 from kernels.sampling import argmax_fn  # noqa: E402
 from kernels.norm_rope import RMSNorm  # noqa: E402
 from kernels.backend import attention_backend, select_backends  # noqa: E402
@@ -281,7 +281,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool size: batch x context must fit")
     parser.add_argument("--pages", choices=("huge", "mlx"), default="huge",
                         help="the packed weights on huge pages as the loader puts them, or left on MLX's own "
-                             "4 KiB pages (for an A/B of ext.huge_page_copy: run both, alternated)")
+                             "4 KiB pages (for an A/B of the huge pages: run both, alternated)")
     parser.add_argument("--read-roof", action="store_true",
                         help="also measure the read bandwidth (roofline_probe.c) and the weights' share of it")
     parser.add_argument("--read-roof-mib", type=int, default=1024, help="the read probe's buffer (larger than the caches)")
@@ -290,8 +290,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.ab and args.chunk != 1:
         parser.error("--ab times decode steps: --chunk must be 1")
-    if args.pages == "mlx":  # the loader's modules call ext.huge_page_copy on their packed weights
-        ext.huge_page_copy = lambda a: a
+    if args.pages == "mlx":  # the loader's weights are packed by kernels.qmm.pack_layers
+        qmm.PLACE_ON_HUGE_PAGES = False
     model = {"model": args.model} if args.model else {}
     runner = ModelRunner.load(EngineConfig(kv_cache_bytes=args.kv_cache_mib << 20, dtype=args.dtype,
                                            kv_cache_dtype=args.kv_cache_dtype, **model))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from kernels import ext
 from kernels.backend import activation_bits_for, matmul_activation_bits
-from kernels.qmm import GLU_KINDS, _exact_in_float16, _precision, pack, supports
+from kernels.qmm import GLU_KINDS, _exact_in_float16, _precision, pack_layers, supports
 from kernels.runtime import mx, nn
 
 __all__ = ["QuantizedSwitchGLUCPU", "gather_quantized_matmul", "has_moe_kernels", "pack_experts"]
@@ -33,11 +33,12 @@ def has_moe_kernels() -> bool:
 def pack_experts(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
                  scale_dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
     """E experts' MLX affine weights (weight (E, N, K * bits / 32) uint32, scales / biases (E, N, K / g))
-    -> (q (E, P, 16 * K * bits / 8) uint8, scales (E, P, K / g, 16), biases (same)), P = ceil(N / 16)."""
-    parts = [pack(weight[e], scales[e], biases[e], bits, group_size, scale_dtype) for e in range(weight.shape[0])]
-    out = tuple(mx.stack([p[i] for p in parts]) for i in range(3))
-    mx.eval(out)
-    return out
+    -> (q (E, P, 16 * K * bits / 8) uint8, scales (E, P, K / g, 16), biases (same)), P = ceil(N / 16):
+    the experts packed as layers in order (E x P panels, written once) and viewed per expert."""
+    experts = weight.shape[0]
+    q, s, b = pack_layers([(weight[e], scales[e], biases[e]) for e in range(experts)], bits, group_size,
+                          scale_dtype=scale_dtype)
+    return tuple(a.reshape(experts, -1, *a.shape[1:]) for a in (q, s, b))
 
 
 def gather_quantized_matmul(x: mx.array, q: mx.array, scales: mx.array, biases: mx.array, indices: mx.array, *,

@@ -31,7 +31,8 @@ from kernels.backend import activation_bits_for, matmul_activation_bits
 from kernels.runtime import mx, nn
 
 __all__ = [
-    "GLU_KINDS", "QuantizedEmbeddingCPU", "QuantizedLinearCPU", "SUPPORTED", "mlx_ints", "pack", "supports", "unpack",
+    "GLU_KINDS", "QuantizedEmbeddingCPU", "QuantizedLinearCPU", "SUPPORTED", "mlx_ints", "pack", "pack_layers", "supports",
+    "unpack",
 ]
 
 PANEL = 16
@@ -61,6 +62,9 @@ def mlx_ints(packed: mx.array, bits: int) -> mx.array:
     return mx.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)  # (N, K)
 
 
+PLACE_ON_HUGE_PAGES = True  # packed weights on 2 MiB pages where the OS allows (benchmarks turn it off for A/B)
+
+
 def pack(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
          scale_dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One MLX affine weight (packed (N, K * bits / 32) uint32, scales / biases (N, K / group_size))
@@ -68,15 +72,51 @@ def pack(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_
 
     scale_dtype: float16 or float32; None takes float16 when every scale and bias is exactly a
     float16 (GGUF's always are), else float32. ValueError for a format the kernels do not compute."""
+    return pack_layers([(packed, scales, biases)], bits, group_size, scale_dtype=scale_dtype)
+
+
+def pack_layers(weights: Sequence[tuple[mx.array, mx.array, mx.array]], bits: int, group_size: int, *,
+                glu: bool = False, scale_dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """Several (packed, scales, biases) MLX affine weights of one K as one packed weight: their panels in
+    order, or with glu exactly [gate, up] with gate panel p at 2p and up panel p at 2p + 1. scale_dtype as
+    `pack`'s (None: float16 when every layer's scales and biases are exact in it).
+
+    With the kernels built, `ext.pack_panels` writes the layout straight into its final buffers (on huge
+    pages where the OS allows and PLACE_ON_HUGE_PAGES): packing a weight of B bytes needs B more bytes. The
+    MLX ops of `_pack_mlx` (the reference the tests hold it to) need several times that in intermediates:
+    the 3B shape's tied embedding raised the loader's peak RSS by ~0.9 GiB with them."""
     if not supports(bits, group_size):
         raise ValueError(f"the CPU kernels compute bits {SUPPORTED['bits']} x group sizes "
                          f"{SUPPORTED['group_size']}, not bits {bits}, group size {group_size}")
-    n, k = packed.shape[0], packed.shape[1] * 32 // bits
-    if scales.shape != (n, k // group_size) or biases.shape != scales.shape:
-        raise ValueError(f"scales {tuple(scales.shape)} and biases {tuple(biases.shape)} must be "
-                         f"({n}, {k // group_size}) for packed {tuple(packed.shape)} at {bits} bits")
+    if glu and len(weights) != 2:
+        raise ValueError(f"glu packs exactly [gate, up], got {len(weights)} weights")
+    for packed, scales, biases in weights:
+        n, k = packed.shape[0], packed.shape[1] * 32 // bits
+        if scales.shape != (n, k // group_size) or biases.shape != scales.shape:
+            raise ValueError(f"scales {tuple(scales.shape)} and biases {tuple(biases.shape)} must be "
+                             f"({n}, {k // group_size}) for packed {tuple(packed.shape)} at {bits} bits")
     if scale_dtype is None:
-        scale_dtype = mx.float16 if _exact_in_float16(scales) and _exact_in_float16(biases) else mx.float32
+        exact = all(_exact_in_float16(s) and _exact_in_float16(b) for _, s, b in weights)
+        scale_dtype = mx.float16 if exact else mx.float32
+    module = ext.load()
+    if module is None or not hasattr(module, "pack_panels"):
+        parts = [_pack_mlx(q, s, b, bits, scale_dtype) for q, s, b in weights]
+        if glu:  # (P, ...) each -> (P, 2, ...) -> (2P, ...): gate panel 2p, up panel 2p + 1
+            out = tuple(mx.contiguous(mx.stack([g, u], axis=1).reshape(-1, *g.shape[1:])) for g, u in zip(*parts))
+        else:
+            out = tuple(mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+        mx.eval(out)
+        return out
+    q, s, b = module.pack_panels([w[0] for w in weights], [w[1].astype(scale_dtype) for w in weights],
+                                 [w[2].astype(scale_dtype) for w in weights], bits=bits, group_size=group_size,
+                                 interleave=glu, huge_pages=PLACE_ON_HUGE_PAGES)
+    return q, s, b
+
+
+def _pack_mlx(packed: mx.array, scales: mx.array, biases: mx.array, bits: int,
+              scale_dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
+    """`pack` in MLX ops (lazy): the layout's reference, and the path without the kernels built."""
+    n, k = packed.shape[0], packed.shape[1] * 32 // bits
     panels = -(-n // PANEL)
     pad = panels * PANEL - n
     q = mlx_ints(packed, bits)  # (N, K)
@@ -92,9 +132,7 @@ def pack(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_
         q = q[..., 0] | (q[..., 1] << 4)  # (P, K / 8, 16, 4)
     s = s.reshape(panels, PANEL, -1).transpose(0, 2, 1)  # (P, K / g, 16)
     b = b.reshape(panels, PANEL, -1).transpose(0, 2, 1)  # (P, K / g, 16)
-    out = (mx.contiguous(q.reshape(panels, -1)), mx.contiguous(s), mx.contiguous(b))
-    mx.eval(out)
-    return out
+    return mx.contiguous(q.reshape(panels, -1)), mx.contiguous(s), mx.contiguous(b)
 
 
 def unpack(q: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
@@ -158,18 +196,6 @@ def _format(layers: Sequence[nn.Module]) -> tuple[int, int]:
     return formats.pop()
 
 
-def _pack_layers(layers: Sequence[nn.Module], bits: int, group_size: int, glu: bool):
-    """Pack each layer's weight and stack the panels in call order (glu: gate/up pairs interleaved)."""
-    scale_dtype = mx.float16
-    for layer in layers:
-        if not (_exact_in_float16(layer.scales) and _exact_in_float16(layer.biases)):
-            scale_dtype = mx.float32
-    parts = [pack(layer.weight, layer.scales, layer.biases, bits, group_size, scale_dtype) for layer in layers]
-    if glu:  # (P, ...) each -> (P, 2, ...) -> (2P, ...): gate panel 2p, up panel 2p + 1
-        return tuple(mx.contiguous(mx.stack([g, u], axis=1).reshape(-1, *g.shape[1:])) for g, u in zip(*parts))
-    return tuple(mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
-
-
 def _precision(activation_bits: int) -> str:
     return f"int{activation_bits}" if activation_bits else "auto"
 
@@ -185,8 +211,9 @@ class QuantizedLinearCPU(nn.Module):
                  columns: Sequence[int], glu: str | None = None,
                  bias: Sequence[mx.array | None] | None = None, activation_bits: int | None = None) -> None:
         super().__init__()
-        # packed (see module docstring), on huge pages where the OS allows: a one-token step streams them whole
-        self.q, self.scales, self.biases = (ext.huge_page_copy(a) for a in (q, scales, biases))
+        # packed (see module docstring) by `pack` / `pack_layers`, which put them on huge pages where the OS
+        # allows: a one-token step streams them whole
+        self.q, self.scales, self.biases = q, scales, biases
         self.bits, self.group_size = bits, group_size
         self.activation_bits = matmul_activation_bits() if activation_bits is None else activation_bits
         self.columns = tuple(int(c) for c in columns)
@@ -206,7 +233,8 @@ class QuantizedLinearCPU(nn.Module):
         if glu is not None and (glu not in GLU_KINDS or len(layers) != 2
                                 or layers[0].weight.shape != layers[1].weight.shape):
             raise ValueError(f"glu {glu!r} needs [gate, up] of one shape and an act in {sorted(GLU_KINDS)}")
-        q, s, b = _pack_layers(layers, bits, group_size, glu is not None)
+        q, s, b = pack_layers([(layer.weight, layer.scales, layer.biases) for layer in layers], bits, group_size,
+                              glu=glu is not None)
         columns = [layers[0].weight.shape[0]] if glu else [layer.weight.shape[0] for layer in layers]
         bias = None
         if any("bias" in layer for layer in layers):
@@ -251,8 +279,9 @@ class QuantizedEmbeddingCPU(nn.Module):
         self.activation_bits = matmul_activation_bits() if activation_bits is None else activation_bits
         self.blas_rows = blas_crossover()
         self.num_embeddings = embedding.weight.shape[0]
-        packed = pack(embedding.weight, embedding.scales, embedding.biases, self.bits, self.group_size)
-        self.q, self.scales, self.biases = (ext.huge_page_copy(a) for a in packed)  # as QuantizedLinearCPU
+        # as QuantizedLinearCPU's (on huge pages where allowed)
+        self.q, self.scales, self.biases = pack(embedding.weight, embedding.scales, embedding.biases, self.bits,
+                                                self.group_size)
         self.dims = self.scales.shape[1] * self.group_size
         self.freeze()
 

@@ -17,6 +17,7 @@
 #include "paged_prefill.h"
 #include "parallel.h"
 #include "qmm.h"
+#include "weight_layout.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -83,6 +84,12 @@ NB_MODULE(_kernels, m) {
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");
+  m.def("pack_panels", &metrale::pack_panels, "packed"_a, "scales"_a, "biases"_a, nb::kw_only(), "bits"_a,
+        "group_size"_a, "interleave"_a = false, "huge_pages"_a = true,
+        "MLX affine weights (lists: packed (N_l, K * bits / 32) uint32, scales and biases (N_l, K / group_size)\n"
+        "float16 or float32) in the kernels' panel layout, written once into their final buffers (on 2 MiB\n"
+        "pages where allowed): [q (P, 16 * K * bits / 8) uint8, scales (P, K / group_size, 16), biases].\n"
+        "Layers' panels in order, or with interleave (two layers of one shape) gate p at 2p, up p at 2p + 1.");
   m.def("huge_page_copy", &metrale::huge_page_copy, "a"_a,
         "`a` copied into memory advised for 2 MiB transparent huge pages (MADV_HUGEPAGE), starting at a\n"
         "2 MiB boundary; `a` itself where THP is off, on other OSes, or under 2 MiB.");

@@ -6,14 +6,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <stdexcept>
 #include <string>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "isa.h"
 #include "kernel_table.h"
@@ -185,72 +180,6 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       kernels.qmm_panels(w, acts, outs[t.out], t.begin, t.end, t.t_begin, t.t_end);
     });
   });
-}
-
-// ---- huge pages for the weights a decode step streams ----
-
-namespace {
-
-constexpr int64_t kHugePage = int64_t{2} << 20;
-#if defined(MADV_COLLAPSE)
-constexpr int kMadvCollapse = MADV_COLLAPSE;
-#else
-constexpr int kMadvCollapse = 25;  // Linux 6.1's value; older kernels answer EINVAL
-#endif
-
-// "always" or "madvise" in /sys/kernel/mm/transparent_hugepage/enabled (the bracketed choice).
-bool transparent_huge_pages_allowed() {
-  std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
-  std::string text;
-  std::getline(in, text);
-  return text.find("[always]") != std::string::npos || text.find("[madvise]") != std::string::npos;
-}
-
-}  // namespace
-
-mx::array huge_page_copy(const mx::array& a) {
-  auto s = cpu_stream();
-  mx::array src = a;
-  mx::eval({src});  // (an array's flags are only known once it is evaluated)
-  if (!src.flags().row_contiguous) {
-    src = mx::contiguous(src, false, s);
-    mx::eval({src});
-  }
-  const int64_t n = static_cast<int64_t>(src.nbytes());
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  static const bool allowed = transparent_huge_pages_allowed();
-  const int64_t total = n + kHugePage;  // room to start at a 2 MiB boundary
-  if (!allowed || n < kHugePage || total > std::numeric_limits<int32_t>::max() || n % src.itemsize() != 0) return src;
-  // fresh memory from MLX's allocator (malloc) is untouched past its header: the advice is in place
-  // before the first write faults the pages in
-  mx::array buffer(mx::allocator::malloc(static_cast<size_t>(total)), mx::Shape{static_cast<int32_t>(total)},
-                   mx::uint8);
-  auto* base = buffer.data<uint8_t>();
-  const auto address = reinterpret_cast<uintptr_t>(base);
-  const int64_t offset = static_cast<int64_t>((kHugePage - address % kHugePage) % kHugePage);
-  // whole 2 MiB pages of the copy only: advising its tail would fault in a whole huge page past its end
-  if (madvise(base + offset, static_cast<size_t>(n / kHugePage * kHugePage), MADV_HUGEPAGE) != 0) return src;
-  std::memcpy(base + offset, src.data<uint8_t>(), static_cast<size_t>(n));
-  // malloc may hand back memory freed earlier (glibc raises its mmap threshold as big blocks are freed),
-  // whose pages were faulted in before the advice: collapse those into huge pages now (Linux >= 6.1;
-  // best effort like the advice itself: where it fails the pages stay small, the values are the same)
-  madvise(base + offset, static_cast<size_t>(n / kHugePage * kHugePage), kMadvCollapse);
-  mx::array out = mx::slice(buffer, {static_cast<int32_t>(offset)}, {static_cast<int32_t>(offset + n)}, s);
-  out = mx::reshape(mx::view(out, src.dtype(), s), src.shape(), s);  // both share the buffer (no copy)
-  mx::eval({out});
-  return out;
-#else
-  return src;
-#endif
-}
-
-int64_t anon_huge_page_bytes() {
-  std::ifstream in("/proc/self/smaps_rollup");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("AnonHugePages:", 0) == 0) return std::stoll(line.substr(14)) * 1024;  // "   N kB"
-  }
-  return -1;
 }
 
 // ---- QuantizedRows: an embedding lookup from the packed weight ----

@@ -30,17 +30,6 @@ std::vector<mx::array> quantized_matmul(const mx::array& x, const mx::array& q, 
 mx::array quantized_rows(const mx::array& q, const mx::array& scales, const mx::array& biases, const mx::array& ids,
                          int bits, int group_size, int rows);
 
-// `a` (any dtype and shape) copied into memory that the OS may back with 2 MiB pages: a fresh buffer
-// whose 2 MiB-aligned whole pages are madvise(MADV_HUGEPAGE)d before the copy first touches them, the
-// result a row-contiguous view of it at a 2 MiB boundary. Where transparent huge pages are off (or on a
-// non-Linux OS) or `a` is under 2 MiB, returns `a` itself (evaluated). A decode step streams its weights
-// once: on 4 KiB pages each page costs a TLB miss (docs/quantized-kernels.md, "Huge pages").
-mx::array huge_page_copy(const mx::array& a);
-
-// Bytes of the calling process's memory on transparent huge pages (AnonHugePages of
-// /proc/self/smaps_rollup), -1 where that is not known.
-int64_t anon_huge_page_bytes();
-
 class QuantizedMatmul : public mx::Primitive {
  public:
   QuantizedMatmul(mx::Stream stream, int bits, int group_size, std::vector<int> columns, int glu,

@@ -1,4 +1,5 @@
-"""ext.huge_page_copy: the packed weights a decode step streams, on 2 MiB transparent huge pages."""
+"""ext.huge_page_copy and the loader's packing (qmm.pack): the packed weights a decode step streams, on 2 MiB
+transparent huge pages."""
 
 from __future__ import annotations
 
@@ -69,6 +70,32 @@ def test_buffer_reports_huge_pages_where_thp_allows():
                          timeout=120, check=True)
     before, after = (int(v) for v in out.stdout.split())
     assert after >= before + 4 * 2 * MIB
+
+
+PACK_ON_HUGE_PAGES = """
+from kernels import ext, qmm
+from kernels.runtime import mx
+n, k = 4096, 8192  # 16 MiB of 4-bit weights
+q = mx.random.randint(0, 2**31, (n, k // 8), dtype=mx.int32).view(mx.uint32)
+s = mx.random.uniform(shape=(n, k // 32)).astype(mx.float16)
+mx.eval(q, s)
+mx.clear_cache()
+before = ext.anon_huge_page_bytes()
+packed = qmm.pack(q, s, s, 4, 32)
+print(before, ext.anon_huge_page_bytes())
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(not THP_ALLOWED, reason="transparent huge pages are off here")
+def test_the_loaders_packing_puts_the_weights_on_huge_pages():
+    """qmm.pack (what the loader's modules hold) writes the layout straight into advised memory: a 16 MiB
+    weight has 7 whole 2 MiB pages past its first boundary."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", PACK_ON_HUGE_PAGES], capture_output=True, text=True, env=env,
+                         timeout=120, check=True)
+    before, after = (int(v) for v in out.stdout.split())
+    assert after >= before + 7 * 2 * MIB
 
 
 @needs_kernel
