@@ -54,6 +54,15 @@ def test_one_weight_is_packed_as_the_reference_packs_it(bits, group_size, scale_
 
 
 @needs_kernel
+def test_a_weight_on_huge_pages_holds_the_same_bytes():
+    """Over 2 MiB the buffers are the huge-page placements (written after the views onto them are built)."""
+    w = triple(1024, 4096, 4, 32, seed=9)  # 2 MiB of packed weights, 256 KiB of scales
+    out = qmm.pack(*w, 4, 32)
+    assert out[0].nbytes >= 2 << 20
+    assert_same(out, reference([w], 4, mx.float16))
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_layers_keep_their_panels_in_call_order(bits):
     weights = [triple(n, 128, bits, 32, seed=n) for n in (40, 16, 24)]  # q, k, v of different widths
