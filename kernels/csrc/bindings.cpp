@@ -8,6 +8,7 @@
 #include "activations.h"
 #include "sampling.h"
 #include "causal_softmax.h"
+#include "gguf_read.h"
 #include "isa.h"
 #include "kv_write.h"
 #include "moe.h"
@@ -90,6 +91,10 @@ NB_MODULE(_kernels, m) {
         "float16 or float32) in the kernels' panel layout, written once into their final buffers (on 2 MiB\n"
         "pages where allowed): [q (P, 16 * K * bits / 8) uint8, scales (P, K / group_size, 16), biases].\n"
         "Layers' panels in order, or with interleave (two layers of one shape) gate p at 2p, up p at 2p + 1.");
+  m.def("read_gguf_tensor", &metrale::read_gguf_tensor, "path"_a, "position"_a, "ggml_type"_a, "shape"_a,
+        "The GGUF tensor of ggml type `ggml_type` at byte `position` of `path` (MLX shape `shape`), read with\n"
+        "ordinary reads into its final arrays, as mx.load returns it: [array] for F32/F16/I8/I16/I32, [packed\n"
+        "uint32, scales, biases float16] (group 32) for Q4_0/Q4_1/Q8_0.");
   m.def("huge_page_copy", &metrale::huge_page_copy, "a"_a,
         "`a` copied into memory advised for 2 MiB transparent huge pages (MADV_HUGEPAGE), starting at a\n"
         "2 MiB boundary; `a` itself where THP is off, on other OSes, or under 2 MiB.");

@@ -1,10 +1,10 @@
 """Load a GGUF file: config from its metadata, weights under the model's names (the architectures
 and what llama.cpp's converter changed in each: metrale.loading.gguf_arch).
 
-`mx.load(path, return_metadata=True)` reads the tensors and the metadata. Q4_0 / Q4_1 / Q8_0
-tensors come back as MLX affine-quantized triples (`name.weight` packed uint32, `name.scales`,
-`name.biases`, float16, group size 32); MLX casts every other quantization (K-quants, ...) to
-float16 arrays. SmolLM2's file is Q4_1 with a Q8_0 token embedding.
+`read_gguf(path)` (metrale.loading.gguf_file: tensor by tensor; else `mx.load(path, return_metadata=True)`)
+reads the tensors and the metadata, as mx.load returns them. Q4_0 / Q4_1 / Q8_0 tensors come back as MLX
+affine-quantized triples (`name.weight` packed uint32, `name.scales`, `name.biases`, float16, group size 32);
+mx.load casts every other quantization (K-quants, ...) to float16 arrays. SmolLM2's file is Q4_1 with a Q8_0 token embedding.
 
 RoPE layout. llama.cpp's converter permutes the rows of attn_q / attn_k inside each head so that
 interleaved (GPT-J, `traditional=True`) RoPE applies: row 2j + h of a GGUF head holds row
@@ -36,6 +36,7 @@ from metrale.loading.gguf_arch import (
     GGUF_ARCHITECTURES, config_from_gguf_metadata, gguf_to_hf_weights, metadata_scalar, permute_rope_rows,
     unpermute_rope_rows,
 )
+from metrale.loading.gguf_file import read_gguf
 from metrale.loading.weights import LoadedModel, build_model, dequantize_affine, keep_quantized_default
 from metrale.text.tokenizer import Tokenizer
 
@@ -103,7 +104,7 @@ def load_gguf(
     keep = keep_quantized_default(keep_quantized, dtype)
     dtype = dtype or (mx.float32 if on_cpu else mx.float16)
 
-    raw, metadata = mx.load(str(path), return_metadata=True)
+    raw, metadata = read_gguf(path)  # tensor by tensor (mx.load maps the whole file beside its copies)
     config = config_from_gguf_metadata(metadata, frozenset(raw))
     if "rope_freqs.weight" in raw:  # Llama 3.1 scaling, stored as per-frequency divisors
         factors = tuple(float(f) for f in raw["rope_freqs.weight"].astype(mx.float32).tolist())

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernels.runtime import mx
-
 from metrale.loading import hub
 from metrale.loading.default_model import ModelNotFoundError, default_model_path
+from metrale.loading.gguf_file import read_gguf_metadata
 from metrale.text.tokenizer import Tokenizer
 
 
@@ -19,8 +18,7 @@ def load_tokenizer(model: str | Path | None = None) -> Tokenizer:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is not a model: give a .gguf file, a model folder or a hub id")
-        _, metadata = mx.load(str(path), return_metadata=True)  # the tensors are not evaluated
-        return Tokenizer.from_gguf_metadata(metadata)
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))  # the header only
     if isinstance(model, str) and hub.looks_like_hub_id(model):
         return Tokenizer.from_folder(hub.resolve_hub_model(model))
     raise ModelNotFoundError(f"no model file or folder at {path}")
