@@ -14,15 +14,23 @@ Any number of threads may call at once: their requests batch together in the one
     caller threads --coroutine--> "metrale-llm" thread: event loop, AsyncEngine, EngineCore
                    <--result / error--           |  await
                                         "metrale-mlx" thread: the forward passes
+
+An LLM still open when the interpreter exits is closed first (its threads joined): left running, its daemon
+threads were still inside MLX when C++'s static destructors ran, and 4 of 6 such exits aborted ("terminate
+called without an active exception", exit status 134). The hook is threading's own exit hook
+(`threading._register_atexit`, as concurrent.futures uses), which runs before the default executors shut
+down: the engine's shutdown still needs one (an `atexit` hook runs after, and the shutdown failed there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -61,6 +69,8 @@ class LLM:
                                                                 self._shutdown),
                                         name="metrale-llm", daemon=True)
         self._thread.start()
+        # at exit: close (or, once dropped, wait for the shutdown that __del__ began); see the module docstring
+        _register_exit_hook(functools.partial(_close_at_exit, weakref.ref(self), self._thread))
         try:
             self._call(self._engine.start)
         except BaseException:
@@ -293,6 +303,26 @@ class CompletionStream:
 
 
 # ---- on the loop thread ----
+
+def _register_exit_hook(hook: Callable[[], None]) -> None:
+    """hook() before the interpreter's threads and default executors shut down (plain atexit where this
+    Python lacks threading's hook)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(hook)
+    else:
+        register(hook)
+
+
+def _close_at_exit(llm_ref: "weakref.ref[LLM]", thread: threading.Thread) -> None:
+    """The exit hook of an LLM: close it if still open (close is idempotent), or, dropped already (its __del__
+    began the shutdown), wait for its loop thread to end."""
+    llm = llm_ref()
+    if llm is not None and not llm.closed:
+        llm.close()
+    elif thread.is_alive():  # dropped, or closed from another thread that has not waited yet
+        thread.join()
+
 
 def _run_loop(loop: asyncio.AbstractEventLoop, engine: AsyncEngine, closing: asyncio.Event,
               shutdown: concurrent.futures.Future[None]) -> None:
