@@ -167,6 +167,15 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), h  # (T, D) each
 
 
+# Steps of this many tokens (prompt chunks, wide batches) evaluate their forward one layer at a time. Evaluated
+# whole, MLX allocated the outputs of several layers ahead of freeing the ones behind: a 512-token chunk of the
+# 1B shape peaked at 278 MiB of activations, 63 layer by layer (MLX's peak memory, benchmarks/step_profile.py's
+# step; the 3B shape's server peaked ~0.4 GiB above idle on a 4096-token prompt). The ~16-28 extra
+# synchronizations cost microseconds against a step of 0.5 s and more; decode steps (fewer tokens) keep one
+# asynchronous evaluation, which overlaps the host's work.
+EVAL_EACH_LAYER_FROM_TOKENS = 64
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm. Subclasses may swap `layer_class`,
     `norm_class` and `embed`."""
@@ -189,8 +198,11 @@ class LlamaModel(nn.Module):
     ) -> mx.array:
         """token_ids (T,), positions (T,) -> normed hidden states (T, D)."""
         x, residual = self.embed(token_ids), None  # the hidden states are residual + x, (T, D) each
+        layer_by_layer = token_ids.size >= EVAL_EACH_LAYER_FROM_TOKENS
         for layer in self.layers:
             x, residual = layer.residual_forward(x, residual, positions, kv_cache, metadata)
+            if layer_by_layer:  # (the layer's K/V writes are inputs of x: they run too)
+                mx.eval(*(a for a in (x, residual) if a is not None))
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[1]  # (T, D)
 
 

@@ -190,3 +190,31 @@ def test_residual_forward_is_the_layer_by_layer_forward_bit_for_bit(architecture
     for layer in model.model.layers:
         h = layer(h, metadata.positions, harness.cache, metadata)  # each layer sums its own residuals
     assert mx.array_equal(fused, model.model.norm(h)).item()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_a_wide_step_evaluated_layer_by_layer_is_the_same_and_holds_fewer_activations(architecture, monkeypatch):
+    """From EVAL_EACH_LAYER_FROM_TOKENS tokens the forward is evaluated one layer at a time: the same logits bit for
+    bit as one lazy evaluation, with fewer activations alive at once (MLX's peak memory)."""
+    import metrale.models.llama as llama_module
+
+    config_dict = tiny_config_dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
+    _, model = make_twins(config_dict)
+    if architecture == "gemma3":  # its layers return no separate residual
+        model = get_model_class("gemma3")(dataclasses.replace(model.config, architecture="gemma3"))
+        mx.eval(model.parameters())
+    tokens = [random.Random(3).randrange(config_dict["vocab_size"]) for _ in range(256)]
+    results = {}
+    for threshold in (10**9, 64):
+        monkeypatch.setattr(llama_module, "EVAL_EACH_LAYER_FROM_TOKENS", threshold)
+        harness = PagedHarness(model.config, num_blocks=80)
+        token_ids, metadata = harness.build([("s", tokens)])
+        mx.eval(token_ids)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        hidden = model(token_ids, metadata.positions, harness.cache, metadata)
+        mx.eval(hidden)
+        results[threshold] = (hidden, mx.get_peak_memory() - base)
+    (whole, whole_peak), (by_layer, by_layer_peak) = results[10**9], results[64]
+    assert mx.array_equal(whole, by_layer).item()
+    assert by_layer_peak < whole_peak, (by_layer_peak, whole_peak)
