@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 MODULE = "kernels._kernels"
 _ACTIVATION_OPS = ("silu_mul", "gelu_tanh_mul")
-_QMM_OPS = ("quantized_matmul", "quantized_rows", "cpu_isa")
+_QMM_OPS = ("quantized_matmul", "quantized_rows", "cpu_isa", "pack_panels")
 _state: dict[str, object] = {}
 
 
@@ -207,8 +207,15 @@ def quantized_rows(q, scales, biases, ids, *, bits, group_size, rows):
                                     rows=int(rows))
 
 
+def pack_panels(packed, scales, biases, *, bits, group_size, interleave=False, huge_pages=True):
+    """MLX affine weights (lists, one per layer) in the kernels' panel layout, written once into their final
+    buffers (kernels/csrc/weight_layout.cpp; kernels.qmm.pack_layers is the caller). Needs load()."""
+    return _module().pack_panels(packed, scales, biases, bits=int(bits), group_size=int(group_size),
+                                 interleave=bool(interleave), huge_pages=bool(huge_pages))
+
+
 def huge_page_copy(a):
-    """`a` copied into memory advised for 2 MiB transparent huge pages (kernels/csrc/qmm.cpp), for the
+    """`a` copied into memory advised for 2 MiB transparent huge pages (kernels/csrc/weight_layout.cpp), for the
     buffers a decode step streams whole (packed weights): on 4 KiB pages each page of the stream costs a
     TLB miss. `a` itself where THP is off, `a` is under 2 MiB, or the extension is not built (or is an
     older build without the binding)."""

@@ -81,10 +81,10 @@ def pack_layers(weights: Sequence[tuple[mx.array, mx.array, mx.array]], bits: in
     order, or with glu exactly [gate, up] with gate panel p at 2p and up panel p at 2p + 1. scale_dtype as
     `pack`'s (None: float16 when every layer's scales and biases are exact in it).
 
-    With the kernels built, `ext.pack_panels` writes the layout straight into its final buffers (on huge
-    pages where the OS allows and PLACE_ON_HUGE_PAGES): packing a weight of B bytes needs B more bytes. The
-    MLX ops of `_pack_mlx` (the reference the tests hold it to) need several times that in intermediates:
-    the 3B shape's tied embedding raised the loader's peak RSS by ~0.9 GiB with them."""
+    `ext.pack_panels` (needs the kernels built, as every user of the layout does) writes the layout straight
+    into its final buffers (on huge pages where the OS allows and PLACE_ON_HUGE_PAGES): packing a weight of B
+    bytes needs B more bytes. The MLX ops of `_pack_mlx` (the reference the tests hold it to) need several
+    times that in intermediates: the 3B shape's tied embedding raised the loader's peak RSS by ~0.9 GiB."""
     if not supports(bits, group_size):
         raise ValueError(f"the CPU kernels compute bits {SUPPORTED['bits']} x group sizes "
                          f"{SUPPORTED['group_size']}, not bits {bits}, group size {group_size}")
@@ -98,24 +98,16 @@ def pack_layers(weights: Sequence[tuple[mx.array, mx.array, mx.array]], bits: in
     if scale_dtype is None:
         exact = all(_exact_in_float16(s) and _exact_in_float16(b) for _, s, b in weights)
         scale_dtype = mx.float16 if exact else mx.float32
-    module = ext.load()
-    if module is None or not hasattr(module, "pack_panels"):
-        parts = [_pack_mlx(q, s, b, bits, scale_dtype) for q, s, b in weights]
-        if glu:  # (P, ...) each -> (P, 2, ...) -> (2P, ...): gate panel 2p, up panel 2p + 1
-            out = tuple(mx.contiguous(mx.stack([g, u], axis=1).reshape(-1, *g.shape[1:])) for g, u in zip(*parts))
-        else:
-            out = tuple(mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
-        mx.eval(out)
-        return out
-    q, s, b = module.pack_panels([w[0] for w in weights], [w[1].astype(scale_dtype) for w in weights],
-                                 [w[2].astype(scale_dtype) for w in weights], bits=bits, group_size=group_size,
-                                 interleave=glu, huge_pages=PLACE_ON_HUGE_PAGES)
+    q, s, b = ext.pack_panels([w[0] for w in weights], [w[1].astype(scale_dtype) for w in weights],
+                              [w[2].astype(scale_dtype) for w in weights], bits=bits, group_size=group_size,
+                              interleave=glu, huge_pages=PLACE_ON_HUGE_PAGES)
     return q, s, b
 
 
 def _pack_mlx(packed: mx.array, scales: mx.array, biases: mx.array, bits: int,
               scale_dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
-    """`pack` in MLX ops (lazy): the layout's reference, and the path without the kernels built."""
+    """`pack` in MLX ops (lazy): the layout's reference, which tests/kernels/test_pack_panels.py holds
+    ext.pack_panels to byte for byte."""
     n, k = packed.shape[0], packed.shape[1] * 32 // bits
     panels = -(-n // PANEL)
     pad = panels * PANEL - n

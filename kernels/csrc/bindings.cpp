@@ -1,6 +1,7 @@
 // Python bindings of the CPU kernels. NB_DOMAIN mlx (set in CMakeLists.txt) shares mlx's
 // nanobind type registry, so mx.array arguments convert to mx::array without copies.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -95,6 +96,8 @@ NB_MODULE(_kernels, m) {
         "The GGUF tensor of ggml type `ggml_type` at byte `position` of `path` (MLX shape `shape`), read with\n"
         "ordinary reads into its final arrays, as mx.load returns it: [array] for F32/F16/I8/I16/I32, [packed\n"
         "uint32, scales, biases float16] (group 32) for Q4_0/Q4_1/Q8_0.");
+  m.def("gguf_block_values", &metrale::gguf_block_values,
+        "The ggml tensor types read_gguf_tensor reads -> values per block (1 for F32/F16/I8/I16/I32).");
   m.def("huge_page_copy", &metrale::huge_page_copy, "a"_a,
         "`a` copied into memory advised for 2 MiB transparent huge pages (MADV_HUGEPAGE), starting at a\n"
         "2 MiB boundary; `a` itself where THP is off, on other OSes, or under 2 MiB.");

@@ -5,13 +5,18 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "mlx/allocator.h"
 #include "mlx/types/half_types.h"
+#include "qmm_common.h"
 
 namespace metrale {
 
@@ -28,10 +33,24 @@ class File {
  public:
   explicit File(const std::string& path) : fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)), path_(path) {
     if (fd_ < 0) fail("cannot open " + path + ": " + std::strerror(errno));
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) {
+      const int error = errno;
+      ::close(fd_);
+      fail(path + ": " + std::strerror(error));
+    }
+    size_ = static_cast<int64_t>(st.st_size);
   }
   ~File() { ::close(fd_); }
   File(const File&) = delete;
   File& operator=(const File&) = delete;
+
+  // Refuses a tensor that would run past the end, before anything is allocated for it (a header's dims are
+  // the file's word: a damaged or hostile one may claim any size).
+  void check_holds(int64_t position, int64_t bytes) const {
+    if (bytes > size_ - position) fail(path_ + " ends inside a tensor: " + std::to_string(bytes) + " bytes at " +
+                                       std::to_string(position) + ", the file has " + std::to_string(size_));
+  }
 
   void read(int64_t position, void* out, int64_t bytes) const {
     auto* p = static_cast<char*>(out);
@@ -47,6 +66,7 @@ class File {
  private:
   int fd_;
   std::string path_;
+  int64_t size_ = 0;
 };
 
 // The blocks of one read, mapped and unmapped outside malloc: freeing a 4 MiB malloc block per tensor would
@@ -93,24 +113,33 @@ float16_t half_at(const uint8_t* p) {
 // ggml's 32 4-bit values (16 bytes: values 0-15 in the low nibbles, 16-31 in the high ones) -> MLX's packing
 // (value 2i in byte i's low nibble, 2i + 1 in its high one).
 void pack_block32(const uint8_t* q, uint8_t* out) {
-  for (int i = 0; i < 8; ++i) {
-    out[i] = static_cast<uint8_t>((q[2 * i] & 0x0F) | (q[2 * i + 1] << 4));
-    out[8 + i] = static_cast<uint8_t>((q[2 * i] >> 4) | (q[2 * i + 1] & 0xF0));
-  }
+  for (int i = 0; i < 8; ++i) out[i] = low_nibbles(q[2 * i], q[2 * i + 1]), out[8 + i] = high_nibbles(q[2 * i], q[2 * i + 1]);
 }
 
+// The quantized types read here: values and bytes per block, bits of the MLX triple.
 struct Format {
-  int values;  // per block
-  int bytes;   // per block
+  int values;
+  int bytes;
   int bits;
 };
 
-Format quantized_format(int type) {
+std::optional<Format> quantized_format(int type) {
   switch (type) {
-    case kQ4_0: return {32, 18, 4};
-    case kQ4_1: return {32, 20, 4};
-    case kQ8_0: return {32, 34, 8};
-    default: fail("ggml type " + std::to_string(type) + " is not read here");
+    case kQ4_0: return Format{32, 18, 4};
+    case kQ4_1: return Format{32, 20, 4};
+    case kQ8_0: return Format{32, 34, 8};
+    default: return std::nullopt;
+  }
+}
+
+std::optional<mx::Dtype> plain_dtype(int type) {
+  switch (type) {
+    case kF32: return mx::float32;
+    case kF16: return mx::float16;
+    case kI8: return mx::int8;
+    case kI16: return mx::int16;
+    case kI32: return mx::int32;
+    default: return std::nullopt;
   }
 }
 
@@ -136,6 +165,47 @@ void convert_block(int type, const uint8_t* b, uint8_t* packed, float16_t* scale
   }
 }
 
+// The tensor's number of values; fails where it overflows int64 (a header may claim any dims).
+int64_t element_count(const std::vector<int64_t>& shape) {
+  int64_t count = 1;
+  for (int64_t d : shape) {
+    if (count > std::numeric_limits<int64_t>::max() / d) fail("the tensor's size overflows");
+    count *= d;
+  }
+  return count;
+}
+
+std::vector<mx::array> read_quantized(const File& file, int64_t position, int type, const Format& f,
+                                      const std::vector<int64_t>& shape, const mx::Shape& full) {
+  const int64_t last = shape.back();
+  if (last % f.values)
+    fail("a row of " + std::to_string(last) + " values is not whole blocks of " + std::to_string(f.values));
+  const int64_t blocks = element_count(shape) / f.values;
+  if (blocks > std::numeric_limits<int64_t>::max() / f.bytes) fail("the tensor's size overflows");
+  file.check_holds(position, blocks * f.bytes);
+  mx::Shape packed_shape = full, group_shape = full;
+  packed_shape.back() = static_cast<int32_t>(last * f.bits / 32);
+  group_shape.back() = static_cast<int32_t>(last / 32);
+  mx::array packed = allocated(packed_shape, mx::uint32);
+  mx::array scales = allocated(group_shape, mx::float16), biases = allocated(group_shape, mx::float16);
+  auto* q = packed.data<uint8_t>();
+  auto* s = scales.data<float16_t>();
+  auto* b = biases.data<float16_t>();
+  const int64_t per_read = std::max<int64_t>(1, kReadBytes / f.bytes);
+  const ReadBuffer buffer(std::min(blocks, per_read) * f.bytes);
+  const int64_t packed_per_block = int64_t{f.values} * f.bits / 8, groups_per_block = f.values / 32;
+  for (int64_t first = 0; first < blocks; first += per_read) {
+    const int64_t count = std::min(per_read, blocks - first);
+    file.read(position + first * f.bytes, buffer.data(), count * f.bytes);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t block = first + i;
+      convert_block(type, buffer.data() + i * f.bytes, q + block * packed_per_block, s + block * groups_per_block,
+                    b + block * groups_per_block);
+    }
+  }
+  return {packed, scales, biases};
+}
+
 }  // namespace
 
 std::vector<mx::array> read_gguf_tensor(const std::string& path, int64_t position, int ggml_type,
@@ -144,47 +214,23 @@ std::vector<mx::array> read_gguf_tensor(const std::string& path, int64_t positio
   if (position < 0) fail("negative position");
   const mx::Shape full = to_shape(shape);
   const File file(path);
-  mx::Dtype plain = mx::float32;
-  switch (ggml_type) {
-    case kF32: plain = mx::float32; break;
-    case kF16: plain = mx::float16; break;
-    case kI8: plain = mx::int8; break;
-    case kI16: plain = mx::int16; break;
-    case kI32: plain = mx::int32; break;
-    default: {
-      const Format f = quantized_format(ggml_type);
-      const int64_t last = shape.back();
-      if (last % f.values) fail("a row of " + std::to_string(last) + " values is not whole blocks of " +
-                                std::to_string(f.values));
-      int64_t rows = 1;
-      for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
-      const int64_t blocks = rows * (last / f.values);
-      mx::Shape packed_shape = full, group_shape = full;
-      packed_shape.back() = static_cast<int32_t>(last * f.bits / 32);
-      group_shape.back() = static_cast<int32_t>(last / 32);
-      mx::array packed = allocated(packed_shape, mx::uint32);
-      mx::array scales = allocated(group_shape, mx::float16), biases = allocated(group_shape, mx::float16);
-      auto* q = packed.data<uint8_t>();
-      auto* s = scales.data<float16_t>();
-      auto* b = biases.data<float16_t>();
-      const int64_t per_read = std::max<int64_t>(1, kReadBytes / f.bytes);
-      const ReadBuffer buffer(std::min(blocks, per_read) * f.bytes);
-      const int64_t packed_per_block = int64_t{f.values} * f.bits / 8, groups_per_block = f.values / 32;
-      for (int64_t first = 0; first < blocks; first += per_read) {
-        const int64_t count = std::min(per_read, blocks - first);
-        file.read(position + first * f.bytes, buffer.data(), count * f.bytes);
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t block = first + i;
-          convert_block(ggml_type, buffer.data() + i * f.bytes, q + block * packed_per_block,
-                        s + block * groups_per_block, b + block * groups_per_block);
-        }
-      }
-      return {packed, scales, biases};
-    }
-  }
-  mx::array out = allocated(full, plain);
-  file.read(position, out.data<void>(), static_cast<int64_t>(out.nbytes()));
+  if (const auto format = quantized_format(ggml_type)) return read_quantized(file, position, ggml_type, *format, shape, full);
+  const auto dtype = plain_dtype(ggml_type);
+  if (!dtype) fail("ggml type " + std::to_string(ggml_type) + " is not read here");
+  const int64_t count = element_count(shape), item = static_cast<int64_t>(mx::size_of(*dtype));
+  if (count > std::numeric_limits<int64_t>::max() / item) fail("the tensor's size overflows");
+  const int64_t bytes = count * item;
+  file.check_holds(position, bytes);
+  mx::array out = allocated(full, *dtype);
+  file.read(position, out.data<void>(), bytes);
   return {out};
+}
+
+std::map<int, int> gguf_block_values() {
+  std::map<int, int> values;
+  for (int type : {kF32, kF16, kI8, kI16, kI32}) values[type] = 1;
+  for (int type : {kQ4_0, kQ4_1, kQ8_0}) values[type] = quantized_format(type)->values;
+  return values;
 }
 
 }  // namespace metrale

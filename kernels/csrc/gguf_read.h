@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,8 +21,11 @@ namespace mx = mlx::core;
 //   (..., last / 32) float16], MLX's affine format with group size 32, built as MLX's mlx/io/gguf_quants.cpp
 //   builds it (bit for bit: the same float16 arithmetic).
 // std::invalid_argument (Python ValueError) for another type, a shape that does not fit, or a file that ends
-// inside the tensor.
+// inside the tensor (checked against the file's size before anything is allocated).
 std::vector<mx::array> read_gguf_tensor(const std::string& path, int64_t position, int ggml_type,
                                         const std::vector<int64_t>& shape);
+
+// The ggml types read_gguf_tensor reads -> values per block (1 for the plain types): the one list of them.
+std::map<int, int> gguf_block_values();
 
 }  // namespace metrale

@@ -27,4 +27,10 @@ inline std::string shape_str(const mx::array& a) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Two bytes of 4-bit values merged nibble-wise: a's and b's low nibbles (a's low, b's high), and their high
+// nibbles likewise. Both repackings of 4-bit weights are made of these: ggml blocks to MLX's order
+// (gguf_read.cpp) and MLX's order to the kernels' panels (weight_layout.cpp).
+inline uint8_t low_nibbles(uint8_t a, uint8_t b) { return static_cast<uint8_t>((a & 0x0F) | (b << 4)); }
+inline uint8_t high_nibbles(uint8_t a, uint8_t b) { return static_cast<uint8_t>((a >> 4) | (b & 0xF0)); }
+
 }  // namespace metrale

@@ -53,9 +53,8 @@ class Placed {
     for (int d : shape) count *= d;
     bytes_ = count * static_cast<int64_t>(mx::size_of(dtype));
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    static const bool allowed = transparent_huge_pages_allowed();
-    const int64_t total = bytes_ + kHugePage;  // room to start at a 2 MiB boundary
-    if (huge_pages && allowed && bytes_ >= kHugePage && total <= std::numeric_limits<int32_t>::max()) {
+    if (huge_pages && applies(bytes_)) {
+      const int64_t total = bytes_ + kHugePage;  // room to start at a 2 MiB boundary
       // fresh memory from MLX's allocator (malloc) is untouched past its header: the advice is in place
       // before the first write faults the pages in
       mx::array buffer(mx::allocator::malloc(static_cast<size_t>(total)), mx::Shape{static_cast<int32_t>(total)},
@@ -78,6 +77,16 @@ class Placed {
 #endif
     array_ = mx::array(mx::allocator::malloc(static_cast<size_t>(bytes_)), shape, dtype);
     data_ = array_.data<uint8_t>();
+  }
+
+  // True where THP allows advice and `bytes` is at least one huge page (and its buffer fits MLX's 1-D shape).
+  static bool applies(int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    static const bool allowed = transparent_huge_pages_allowed();
+    return allowed && bytes >= kHugePage && bytes + kHugePage <= std::numeric_limits<int32_t>::max();
+#else
+    return false;
+#endif
   }
 
   uint8_t* data() const { return data_; }
@@ -122,10 +131,8 @@ void pack_row(const uint8_t* src, int K, int bits, int r, uint8_t* panel) {
   for (int w = 0; w < K / 8; ++w) {
     const uint8_t* b = src + int64_t{w} * 4;  // values 8w .. 8w + 7, two per byte
     uint8_t* out = panel + (int64_t{w} * kPanelRows + r) * 4;
-    out[0] = static_cast<uint8_t>((b[0] & 0x0F) | (b[2] << 4));
-    out[1] = static_cast<uint8_t>((b[0] >> 4) | (b[2] & 0xF0));
-    out[2] = static_cast<uint8_t>((b[1] & 0x0F) | (b[3] << 4));
-    out[3] = static_cast<uint8_t>((b[1] >> 4) | (b[3] & 0xF0));
+    out[0] = low_nibbles(b[0], b[2]), out[1] = high_nibbles(b[0], b[2]);
+    out[2] = low_nibbles(b[1], b[3]), out[3] = high_nibbles(b[1], b[3]);
   }
 }
 
@@ -222,8 +229,9 @@ std::vector<mx::array> pack_panels(const std::vector<mx::array>& packed, const s
 
 mx::array huge_page_copy(const mx::array& a) {
   const mx::array src = evaluated_contiguous(a);
+  if (!Placed::applies(static_cast<int64_t>(src.nbytes()))) return src;
   const Placed out(src.shape(), src.dtype(), true);
-  if (!out.advised()) return src;  // THP off, under 2 MiB, or the advice refused
+  if (!out.advised()) return src;  // the advice refused
   std::memcpy(out.data(), src.data<uint8_t>(), static_cast<size_t>(out.bytes()));
   return out.collapse();
 }

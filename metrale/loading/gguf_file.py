@@ -43,8 +43,6 @@ _SCALARS: dict[int, tuple[str, Any]] = {
 _ARRAY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
                  12: "<f8"}
 _STRING, _ARRAY = 8, 9
-_PLAIN_TENSORS = {0, 1, 24, 25, 26}  # ggml F32, F16, I8, I16, I32: read as they are
-_BLOCK_VALUES = {2: 32, 3: 32, 8: 32}  # Q4_0, Q4_1, Q8_0: values per block (as MLX's affine triples)
 
 
 class _ShortHeader(Exception):
@@ -155,15 +153,11 @@ def _read_header(path: Path) -> _Parsed:
             view.release()
 
 
-def _readable(tensors: list[tuple[str, tuple[int, ...], int, int]]) -> bool:
-    """True when every tensor is of a type read here (and quantized ones have whole blocks per row)."""
-    for _name, shape, kind, _offset in tensors:
-        if kind in _BLOCK_VALUES:
-            if not shape or shape[-1] % _BLOCK_VALUES[kind]:
-                return False
-        elif kind not in _PLAIN_TENSORS or not shape:
-            return False
-    return True
+def _readable(tensors: list[tuple[str, tuple[int, ...], int, int]], block_values: dict[int, int]) -> bool:
+    """True when every tensor is of a type the extension reads (`block_values`: ggml type -> values per block)
+    and has whole blocks per row."""
+    return all(shape and kind in block_values and shape[-1] % block_values[kind] == 0
+               for _name, shape, kind, _offset in tensors)
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
@@ -180,13 +174,13 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     docstring); mx.load itself without the kernels built, or for a file with something not read here."""
     path = Path(path)
     module = ext.load()
-    if module is None or not hasattr(module, "read_gguf_tensor"):
+    if module is None or not hasattr(module, "gguf_block_values"):
         return mx.load(str(path), return_metadata=True)
     try:
         parsed = _read_header(path)
     except _NotReadHere:
         return mx.load(str(path), return_metadata=True)
-    if not _readable(parsed.tensors):
+    if not _readable(parsed.tensors, module.gguf_block_values()):
         if parsed.float64:  # MLX 0.32's GGUF reader dies with SIGSEGV on these: an error, not a crash
             raise ValueError(f"GGUF: {path} has 64-bit float metadata and tensor types that only MLX's reader "
                              "reads, which crashes on such metadata")

@@ -18,7 +18,7 @@ from kernels.runtime import mx
 
 from metrale.loading.gguf_file import read_gguf, read_gguf_metadata
 
-needs_reader = pytest.mark.skipif(ext.load() is None or not hasattr(ext.load(), "read_gguf_tensor"),
+needs_reader = pytest.mark.skipif(ext.load() is None or not hasattr(ext.load(), "gguf_block_values"),
                                   reason="kernels not built: python -m kernels.build")
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -146,6 +146,19 @@ def test_a_truncated_file_is_refused_with_a_clear_error(tmp_path):
     (tmp_path / "head.gguf").write_bytes(data[:200])
     with pytest.raises(ValueError, match="ends inside its header"):
         read_gguf(tmp_path / "head.gguf")
+
+
+@needs_reader
+@pytest.mark.parametrize("ggml_type", [0, 2])  # F32, Q4_0
+def test_a_tensor_claiming_more_than_the_file_holds_is_refused_before_allocating(tmp_path, ggml_type):
+    """A header's dims are the file's word: 2^60 values (4 EiB as float32) are refused against the file's size,
+    not allocated; dims whose product overflows are refused as well."""
+    path = tmp_path / "every.gguf"
+    write_every_type(path)
+    with pytest.raises(ValueError, match="ends inside a tensor"):
+        ext.load().read_gguf_tensor(str(path), 0, ggml_type, [2**30, 2**30])
+    with pytest.raises(ValueError, match="overflows"):
+        ext.load().read_gguf_tensor(str(path), 0, ggml_type, [2**31 - 32] * 3)
 
 
 PEAK_OF_READING = """
