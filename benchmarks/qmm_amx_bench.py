@@ -91,7 +91,7 @@ def main() -> None:
     if args.forward:
         shapes |= {"k/v 512x2048": (512, 2048), "lm_head 128256x2048": (128256, 2048)}
     for name, (n, k) in shapes.items():
-        q, s, b = random_packed(n, k, seed=n + k)
+        q, s, b = random_packed(n, k, seed=n + k, huge_pages=False)
         for tokens in args.tokens:
             x = mx.random.normal((tokens, k), key=mx.random.key(tokens))
             mx.eval(x)

@@ -1,7 +1,7 @@
 """The avx512 set's many-token path (kernels/csrc/qmm_gemm_avx512.h: tiles of up to 16 tokens, K in
 chunks, float accumulators in a buffer) against its few-token tiles and the avx2 set, bit for bit.
 
-A call of T >= 16 tokens takes the GEMM path; the same rows in calls of at most 8 tokens take tile()
+A call of T >= 8 tokens takes the GEMM path; the same rows in calls of at most 7 tokens take tile()
 (qmm_kernel.h). Both must give the same floats (same int32 block sums, same epilogue in the same order),
 and so must avx2 (its own tile(), the same arithmetic on 256 bits). Shapes cover odd T, T past one pass
 of 64 tokens, remainders of every tile width, N past one pass of 8 panels and not a multiple of 16, K of
@@ -22,7 +22,7 @@ from tests.kernels.test_quantized_matmul import emulate, random_weight, run
 ISAS = ext.supported_isas() if ext.load() is not None else []
 needs_avx512 = pytest.mark.skipif("avx512" not in ISAS, reason="needs the avx512 kernel set and CPU")
 FORMATS = [(bits, gs) for bits in (4, 8) for gs in (32, 64, 128)]
-SMALL = 8  # tokens per call that stay on tile()
+SMALL = 7  # tokens per call that stay on tile() (qmm_kernel.h: kGemmMinTokens - 1)
 
 
 def in_small_calls(x, packed, bits, gs, columns, **kw):

@@ -182,14 +182,14 @@ def test_many_tokens_and_rows_use_threads(isa):
 def test_each_kernel_set_shapes_its_own_tasks(isa):
     """The kernel set in use decides how quantized_matmul cuts a compute-bound call into tasks (no kernel
     set name is compared anywhere else): AMX panels get token blocks of 64 rows (their tiles reuse each
-    unpacked weight chunk across them), the avx512 GEMM (int12 / int16 from 16 tokens) 8 panels per task
+    unpacked weight chunk across them), the avx512 GEMM (int12 / int16 from 8 tokens) 8 panels per task
     (it packs a task's token block once for all its panels), everything else 16-row blocks of 4 panels."""
     for act_bits in (8, 12, 16):
-        for tokens in (9, 15, 16, 512):
+        for tokens in (7, 8, 9, 15, 16, 512):
             want = (16, 4)
             if isa == "avx512_amx":
                 want = (64, 4)
-            elif isa == "avx512" and act_bits != 8 and tokens >= 16:
+            elif isa == "avx512" and act_bits != 8 and tokens >= 8:
                 want = (16, 8)
             assert _ext.load().qmm_task_shape(act_bits, tokens) == want, (isa, act_bits, tokens)
 
@@ -197,7 +197,7 @@ def test_each_kernel_set_shapes_its_own_tasks(isa):
 @needs_kernel
 @pytest.mark.parametrize("glu", [-1, 0])
 def test_decode_split_covers_every_panel_once(isa, glu):
-    """One token (16-panel tasks over the threads) against row 0 of a 9-token call (4-panel tasks): the
+    """One token (16-panel tasks over the threads) against row 0 of a 9-token call (many-token tasks): the
     same tile arithmetic per token, so bit-identical, on odd widths whose panels do not fill the tasks
     (38 + 4 + 17 panels; glu: 19 gate/up pairs and a partial one), big enough to use the threads."""
     rng = np.random.default_rng(31 + glu)
