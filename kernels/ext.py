@@ -193,12 +193,14 @@ def gelu_tanh_mul(gate, up):
     return _module().gelu_tanh_mul(gate, up)
 
 
-def quantized_matmul(x, q, scales, biases, *, bits, group_size, columns, glu=-1, activation_bits=16):
+def quantized_matmul(x, q, scales, biases, *, bits, group_size, columns, glu=-1, activation_bits=16,
+                     bias_per_scale=0.0):
     """x (..., K) float32 times a packed affine weight (kernels/qmm.py): a list with one float32
     (..., columns[j]) per output j; glu 0 (silu) / 1 (gelu_tanh) fuses act(gate) * up; x is
-    quantized per 32 values to int8, int12 or int16 (activation_bits 8 | 12 | 16). Needs load()."""
+    quantized per 32 values to int8, int12 or int16 (activation_bits 8 | 12 | 16); bias_per_scale
+    nonzero only where every bias is exactly that times its scale (qmm.symmetric_bias_per_scale). Needs load()."""
     return _module().quantized_matmul(x, q, scales, biases, bits=bits, group_size=group_size, columns=columns,
-                                      glu=glu, activation_bits=activation_bits)
+                                      glu=glu, activation_bits=activation_bits, bias_per_scale=bias_per_scale)
 
 
 def quantized_rows(q, scales, biases, ids, *, bits, group_size, rows):

@@ -155,6 +155,16 @@ def unpack(q: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.arr
 BLAS_CROSSOVER = {"avx512": None, "avx2": None, "scalar": 2}
 
 
+def symmetric_bias_per_scale(scales: mx.array, biases: mx.array, bits: int) -> float:
+    """-2^(bits - 1) where every bias is exactly that times its scale, in float32 as the kernels compute it (the
+    symmetric formats, Q4_0 and Q8_0, as the loader writes them: w = d (q - 8) = d q - 8 d), else 0.0. Where
+    it is nonzero the few-token kernels compute the biases from the scales instead of reading them (2 of the
+    20 bytes per 32 4-bit weights a decode step streams); the biases are kept for every other path."""
+    factor = -float(1 << (bits - 1))
+    same = mx.all(biases.astype(mx.float32) == scales.astype(mx.float32) * factor)
+    return factor if bool(same.item()) else 0.0
+
+
 def blas_crossover() -> int | None:
     """Rows from which the running kernel set hands a quantized linear to float32 BLAS (None: never)."""
     return BLAS_CROSSOVER.get(ext.cpu_isa() or "", None)
@@ -212,6 +222,7 @@ class QuantizedLinearCPU(nn.Module):
         self.glu = glu
         self._glu_code = -1 if glu is None else GLU_KINDS[glu]
         self.in_features = scales.shape[1] * group_size
+        self.bias_per_scale = symmetric_bias_per_scale(scales, biases, bits)
         self.blas_rows = blas_crossover()  # from this many rows: dequantize per call, float32 BLAS
         if bias is not None and any(b is not None for b in bias):
             self.bias = [b if b is not None else mx.zeros((c,)) for b, c in zip(bias, self.columns)]
@@ -247,7 +258,7 @@ class QuantizedLinearCPU(nn.Module):
             bits = activation_bits_for(self.activation_bits, x.size // self.in_features)
             outs = ext.quantized_matmul(x32, self["q"], self["scales"], self["biases"], bits=self.bits,
                                         group_size=self.group_size, columns=self.columns, glu=self._glu_code,
-                                        activation_bits=bits)
+                                        activation_bits=bits, bias_per_scale=self.bias_per_scale)
         bias = self.get("bias")
         if bias is not None:
             outs = [o + b for o, b in zip(outs, bias)]
@@ -275,6 +286,7 @@ class QuantizedEmbeddingCPU(nn.Module):
         self.q, self.scales, self.biases = pack(embedding.weight, embedding.scales, embedding.biases, self.bits,
                                                 self.group_size)
         self.dims = self.scales.shape[1] * self.group_size
+        self.bias_per_scale = symmetric_bias_per_scale(self.scales, self.biases, self.bits)
         self.freeze()
 
     def __call__(self, ids: mx.array) -> mx.array:
@@ -292,7 +304,8 @@ class QuantizedEmbeddingCPU(nn.Module):
             (out,) = ext.quantized_matmul(x32, self.q, self.scales, self.biases, bits=self.bits,
                                           group_size=self.group_size, columns=[self.num_embeddings],
                                           activation_bits=activation_bits_for(self.activation_bits,
-                                                                              x.size // self.dims))
+                                                                              x.size // self.dims),
+                                          bias_per_scale=self.bias_per_scale)
         return out
 
     def _extra_repr(self) -> str:

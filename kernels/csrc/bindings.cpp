@@ -77,12 +77,13 @@ NB_MODULE(_kernels, m) {
   m.def("set_spin_us", &metrale::set_spin_us, "us"_a,
         "How long an idle kernel thread spins before it sleeps, in microseconds (0: never).");
   m.def("quantized_matmul", &metrale::quantized_matmul, "x"_a, "q"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16,
+        "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16, "bias_per_scale"_a = 0.0f,
         "x (..., K) float32 times packed affine weights (kernels/qmm.py), on the CPU stream.\n\n"
         "Returns one float32 (..., columns[j]) array per output j; with glu 0 (silu) or 1 (gelu_tanh)\n"
         "one output act(x Wg^T) * (x Wu^T) from (gate, up) panel pairs. activation_bits: 8 (int8\n"
         "activations per 32 values, as llama.cpp), 12 (int12, as two int8 planes) or 16 (int16, as two int8\n"
-        "halves).");
+        "halves). bias_per_scale: nonzero when every bias is exactly that times its scale (Q4_0: -8,\n"
+        "Q8_0: -128): the few-token tiles then compute the biases instead of reading them.");
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");

@@ -4,6 +4,7 @@
 #include "qmm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -61,7 +62,8 @@ constexpr int64_t kDecodePanelsPerTask = 16;
 
 std::vector<mx::array> quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales,
                                         const mx::array& biases, int bits, int group_size,
-                                        const std::vector<int>& columns, int glu, int activation_bits) {
+                                        const std::vector<int>& columns, int glu, int activation_bits,
+                                        float bias_per_scale) {
   const char* fn = "quantized_matmul";
   const int K = check_packed(fn, q, scales, biases, bits, group_size);
   if (x.ndim() < 1 || x.shape(-1) != K || x.dtype() != mx::float32)
@@ -87,7 +89,9 @@ std::vector<mx::array> quantized_matmul(const mx::array& x, const mx::array& q, 
     shape.back() = c;
     shapes.push_back(std::move(shape));
   }
-  auto primitive = std::make_shared<QuantizedMatmul>(s, bits, group_size, columns, glu, activation_bits);
+  if (!std::isfinite(bias_per_scale)) fail(fn, "bias_per_scale must be finite (0: none)");
+  auto primitive =
+      std::make_shared<QuantizedMatmul>(s, bits, group_size, columns, glu, activation_bits, bias_per_scale);
   return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(columns.size(), mx::float32), primitive,
                                 {x, q, scales, biases});
 }
@@ -105,7 +109,7 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::arra
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
   return bits_ == o.bits_ && group_size_ == o.group_size_ && columns_ == o.columns_ && glu_ == o.glu_ &&
-         activation_bits_ == o.activation_bits_;
+         activation_bits_ == o.activation_bits_ && bias_per_scale_ == o.bias_per_scale_;
 }
 
 void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -131,7 +135,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   }
   const int K = static_cast<int>(x.shape(-1));
   const QmmWeights w{q.data<uint8_t>(), sc.data<void>(), bi.data<void>(), q.shape(0), K, bits_, group_size_,
-                     sc.dtype() == mx::float16};
+                     sc.dtype() == mx::float16, false, bias_per_scale_};
   const int64_t tokens = static_cast<int64_t>(x.size()) / K;
   encoder.dispatch([w, outs, tokens, act_bits = activation_bits_, xin] {
     if (tokens == 0) return;

@@ -23,7 +23,8 @@ namespace mx = mlx::core;
 // std::invalid_argument (Python ValueError) for shapes or dtypes that do not fit.
 std::vector<mx::array> quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales,
                                         const mx::array& biases, int bits, int group_size,
-                                        const std::vector<int>& columns, int glu, int activation_bits);
+                                        const std::vector<int>& columns, int glu, int activation_bits,
+                                        float bias_per_scale = 0.0f);
 
 // Rows `ids` (any shape, integer) of the packed weight's single output, dequantized:
 // returns (*ids.shape, K) float32 (an embedding lookup from the weight the tied lm_head uses).
@@ -33,13 +34,14 @@ mx::array quantized_rows(const mx::array& q, const mx::array& scales, const mx::
 class QuantizedMatmul : public mx::Primitive {
  public:
   QuantizedMatmul(mx::Stream stream, int bits, int group_size, std::vector<int> columns, int glu,
-                  int activation_bits)
+                  int activation_bits, float bias_per_scale)
       : mx::Primitive(stream),
         bits_(bits),
         group_size_(group_size),
         columns_(std::move(columns)),
         glu_(glu),
-        activation_bits_(activation_bits) {}
+        activation_bits_(activation_bits),
+        bias_per_scale_(bias_per_scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -52,6 +54,7 @@ class QuantizedMatmul : public mx::Primitive {
   std::vector<int> columns_;
   int glu_;
   int activation_bits_;
+  float bias_per_scale_;  // QmmWeights::bias_per_scale
 };
 
 class QuantizedRows : public mx::UnaryPrimitive {

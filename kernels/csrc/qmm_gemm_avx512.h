@@ -120,7 +120,7 @@ void gemm_tile(const QmmWeights& w, int64_t p, int g_begin, int g_end, PackedAct
         _mm512_store_ps(acc[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sd, _mm512_load_ps(acc[t])));
       }
     }
-    const __m512 m = load16v<F16S>(w.biases, p * groups + g);
+    const __m512 m = bias16v<F16S>(w, p * groups + g);
     __asm__("" : "+r"(acc));
     for (int t = 0; t < TT; ++t)
       _mm512_store_ps(acc[t], _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t]), _mm512_load_ps(acc[t])));

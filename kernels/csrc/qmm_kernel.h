@@ -194,6 +194,14 @@ inline __m512 load16v(const void* base, int64_t index) {
   }
 }
 
+// The 16 biases of panel p, group g: bias_per_scale x the scales where the weights are symmetric (exactly
+// the stored biases, which are then not read), else loaded.
+template <bool F16S>
+inline __m512 bias16v(const QmmWeights& w, int64_t index) {
+  if (w.bias_per_scale != 0.0f) return _mm512_mul_ps(load16v<F16S>(w.scales, index), _mm512_set1_ps(w.bias_per_scale));
+  return load16v<F16S>(w.biases, index);
+}
+
 // act_hi_weight(ACT) * hi + lo, the integer dot of int12 / int16 activations from their two int8 planes.
 template <int ACT>
 inline __m512i combine(__m512i hi, __m512i lo) {
@@ -222,8 +230,9 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-    prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-    const __m512 s = load16v<F16S>(w.scales, p * groups + g), m = load16v<F16S>(w.biases, p * groups + g);
+    if (w.bias_per_scale == 0.0f)
+      prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+    const __m512 s = load16v<F16S>(w.scales, p * groups + g), m = bias16v<F16S>(w, p * groups + g);
     for (int bb = 0; bb < per_group; ++bb) {
       const int blk = g * per_group + bb;
       __m512i ih[TT], il[TT];
@@ -270,11 +279,20 @@ inline __m256 load8v(const void* base, int64_t index, int h) {
   }
 }
 
+// Half h of panel p's group g biases: computed from the scales where the weights are symmetric (bias16v).
+template <bool F16S>
+inline __m256 bias8v(const QmmWeights& w, int64_t index, int h) {
+  if (w.bias_per_scale != 0.0f)
+    return _mm256_mul_ps(load8v<F16S>(w.scales, index, h), _mm256_set1_ps(w.bias_per_scale));
+  return load8v<F16S>(w.biases, index, h);
+}
+
 // Requests the scales and biases of panel p's group g + kPrefetchGroups (they stream beside the weights).
 template <bool F16S>
 inline void prefetch_group(const QmmWeights& w, int64_t p, int g, int groups) {
   prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-  prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+  if (w.bias_per_scale == 0.0f)
+    prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
 }
 
 // x[t][plane]: block blk's activation words (4 int8 each) of token t0 + t, the hi (or int8) plane then lo.
@@ -358,7 +376,7 @@ inline QmmWeights unpacked_view(const QmmWeights& w, int64_t p, const uint8_t* u
 template <int TT, bool F16S>
 inline void add_group_bias(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, int g, __m256 acc[][2]) {
   const int groups = w.K / w.group_size;
-  const __m256 m[2] = {load8v<F16S>(w.biases, p * groups + g, 0), load8v<F16S>(w.biases, p * groups + g, 1)};
+  const __m256 m[2] = {bias8v<F16S>(w, p * groups + g, 0), bias8v<F16S>(w, p * groups + g, 1)};
   for (int t = 0; t < TT; ++t) {
     const __m256 xs = _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]);
     for (int h = 0; h < 2; ++h) acc[t][h] = _mm256_fmadd_ps(m[h], xs, acc[t][h]);
@@ -531,7 +549,7 @@ void tile_8bit(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, flo
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 m = load8v<F16S>(w.biases, p * groups + g, h);
+      const __m256 m = bias8v<F16S>(w, p * groups + g, h);
       for (int t = 0; t < TT; ++t) {
         float* acc = acc_out[t] + 8 * h;
         _mm256_storeu_ps(acc, _mm256_fmadd_ps(m, _mm256_set1_ps(a.xsum[(t0 + t) * groups + g]), _mm256_loadu_ps(acc)));
