@@ -162,7 +162,7 @@ def gate_and_up(fused: QuantizedLinearCPU, x: mx.array) -> tuple[mx.array, mx.ar
     else:
         (out,) = ext.quantized_matmul(x32, fused["q"], fused["scales"], fused["biases"], bits=fused.bits,
                                       group_size=fused.group_size, columns=columns, glu=-1,
-                                      activation_bits=fused.activation_bits)
+                                      activation_bits=fused.activation_bits, bias_per_scale=fused.bias_per_scale)
     pairs = out.reshape(num_tokens, panels, 2, PANEL)  # (T, P, [gate, up], 16)
     gate = pairs[:, :, 0].reshape(num_tokens, panels * PANEL)[:, :width]  # (T, N)
     up = pairs[:, :, 1].reshape(num_tokens, panels * PANEL)[:, :width]

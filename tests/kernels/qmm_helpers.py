@@ -9,7 +9,10 @@ from __future__ import annotations
 from kernels import ext, qmm
 
 
-def float_quantized_matmul(x, q, scales, biases, *, bits, group_size, columns, glu=-1, activation_bits=16):
+def float_quantized_matmul(x, q, scales, biases, *, bits, group_size, columns, glu=-1, activation_bits=16,
+                           bias_per_scale=0.0):
+    if bias_per_scale:  # the kernels compute such biases from the scales: they must be exactly that
+        assert qmm.symmetric_bias_per_scale(scales, biases, bits) == bias_per_scale
     return qmm.dequantized_matmul(x, q, scales, biases, bits=bits, columns=columns, glu=glu)
 
 
