@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from kernels import ext
 from kernels.backend import activation_bits_for, matmul_activation_bits
-from kernels.qmm import GLU_KINDS, _exact_in_float16, _precision, pack_layers, supports
+from kernels.qmm import GLU_KINDS, _exact_in_float16, _precision, pack_layers, supports, symmetric_bias_per_scale
 from kernels.runtime import mx, nn
 
 __all__ = ["QuantizedSwitchGLUCPU", "gather_quantized_matmul", "has_moe_kernels", "pack_experts"]
@@ -43,13 +43,13 @@ def pack_experts(weight: mx.array, scales: mx.array, biases: mx.array, bits: int
 
 def gather_quantized_matmul(x: mx.array, q: mx.array, scales: mx.array, biases: mx.array, indices: mx.array, *,
                             bits: int, group_size: int, columns: int, glu: int = -1,
-                            activation_bits: int = 16) -> mx.array:
+                            activation_bits: int = 16, bias_per_scale: float = 0.0) -> mx.array:
     """x (T, K) float32, indices (T, top_k) or (T * top_k,) int in [0, E) -> (*indices.shape, columns)
     float32: row r times expert indices[r] (x row r // top_k). glu 0 / 1 (silu / gelu_tanh) fuses
     act(gate) * up over (gate, up) panel pairs. Needs has_moe_kernels()."""
     return ext._module().gather_quantized_matmul(
         x, q, scales, biases, indices, bits=int(bits), group_size=int(group_size), columns=int(columns),
-        glu=int(glu), activation_bits=int(activation_bits),
+        glu=int(glu), activation_bits=int(activation_bits), bias_per_scale=float(bias_per_scale),
     )
 
 
@@ -100,6 +100,9 @@ class QuantizedSwitchGLUCPU(nn.Module):
             down_proj.weight, down_proj.scales, down_proj.biases, self.bits, self.group_size,
             _scale_dtype([down_proj]),
         )
+        # Q4_0 / Q8_0 experts: the tiles compute the biases (qmm.symmetric_bias_per_scale)
+        self.gate_up_bias_per_scale = symmetric_bias_per_scale(self.gate_up_scales, self.gate_up_biases, self.bits)
+        self.down_bias_per_scale = symmetric_bias_per_scale(self.down_scales, self.down_biases, self.bits)
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
@@ -109,10 +112,12 @@ class QuantizedSwitchGLUCPU(nn.Module):
         common = {"bits": self.bits, "group_size": self.group_size,
                   "activation_bits": activation_bits_for(self.activation_bits, x.shape[0])}
         hidden = gather_quantized_matmul(x32, self["gate_up_q"], self["gate_up_scales"], self["gate_up_biases"],
-                                         indices, columns=self.intermediate, glu=self._glu, **common)
+                                         indices, columns=self.intermediate, glu=self._glu,
+                                         bias_per_scale=self.gate_up_bias_per_scale, **common)
         # hidden (T, top_k, I): row (t, j) is expert indices[t, j]'s, so down reads it one to one
         out = gather_quantized_matmul(hidden.reshape(-1, self.intermediate), self["down_q"], self["down_scales"],
-                                      self["down_biases"], indices, columns=self.dims, **common)  # (T, top_k, D)
+                                      self["down_biases"], indices, columns=self.dims,
+                                      bias_per_scale=self.down_bias_per_scale, **common)  # (T, top_k, D)
         return out if dtype == mx.float32 else out.astype(dtype)
 
     def _extra_repr(self) -> str:

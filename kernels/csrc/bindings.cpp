@@ -106,9 +106,11 @@ NB_MODULE(_kernels, m) {
         "This process's bytes on transparent huge pages (AnonHugePages, /proc/self/smaps_rollup); -1 unknown.");
   m.def("gather_quantized_matmul", &metrale::gather_quantized_matmul, "x"_a, "q"_a, "scales"_a, "biases"_a,
         "indices"_a, nb::kw_only(), "bits"_a, "group_size"_a, "columns"_a, "glu"_a = -1, "activation_bits"_a = 16,
+        "bias_per_scale"_a = 0.0f,
         "Mixture-of-experts matmul (kernels/moe.py): row r of indices (R = T * top_k rows) multiplies\n"
         "x[r / top_k] (x (T, K) float32) by expert indices[r]'s packed weight (q (E, P, bytes), scales and\n"
-        "biases (E, P, K / group_size, 16)). Returns (*indices.shape, columns) float32; glu as quantized_matmul.");
+        "biases (E, P, K / group_size, 16)). Returns (*indices.shape, columns) float32; glu and bias_per_scale\n"
+        "as quantized_matmul.");
   m.def("rms_norm", &metrale::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a, "weight_offset"_a = 0.0f,
         "RMSNorm of x (..., D) float32 with weight (D,) float32 (+ weight_offset: 1 for gemma's 1 + w),\n"
         "one node on the CPU stream: (x / sqrt(mean(x^2) + eps)) * (weight + weight_offset).");

@@ -3,6 +3,7 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -137,7 +138,7 @@ void scatter_rows(const ExpertGroups& g, const float* ys, int64_t N, int64_t row
 
 mx::array gather_quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales,
                                   const mx::array& biases, const mx::array& indices, int bits, int group_size,
-                                  int columns, int glu, int activation_bits) {
+                                  int columns, int glu, int activation_bits, float bias_per_scale) {
   if (bits != 4 && bits != 8) fail("bits must be 4 or 8, got " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128)
     fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
@@ -162,11 +163,13 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& q, const 
     fail("activation_bits must be 8, 12 or 16, got " + std::to_string(activation_bits));
   if (columns < 1 || ceil_div(columns, kPanelRows) * (glu >= 0 ? 2 : 1) != q.shape(1))
     fail(std::to_string(columns) + " columns do not fit " + std::to_string(q.shape(1)) + " panels per expert");
+  if (!std::isfinite(bias_per_scale)) fail("bias_per_scale must be finite (0: none)");
   auto s = mx::default_stream(mx::Device::cpu);
   mx::Shape shape = indices.shape();
   shape.push_back(columns);
   return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<GatherQuantizedMatmul>(s, bits, group_size, columns, glu, activation_bits),
+                   std::make_shared<GatherQuantizedMatmul>(s, bits, group_size, columns, glu, activation_bits,
+                                                          bias_per_scale),
                    {x, q, scales, biases, mx::astype(indices, mx::int32, s)});
 }
 
@@ -181,7 +184,7 @@ void GatherQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::a
   const RowMajor xin(x, encoder), idin(inputs[4], encoder);
   const int K = static_cast<int>(x.shape(-1));
   const ExpertWeights w{{q.data<uint8_t>(), sc.data<void>(), inputs[3].data<void>(), q.shape(1), K, bits_, group_size_,
-                         sc.dtype() == mx::float16},
+                         sc.dtype() == mx::float16, false, bias_per_scale_},
                         q.shape(0), q.shape(2), static_cast<int64_t>(sc.itemsize()) * sc.shape(2) * kPanelRows};
   encoder.dispatch([=, op = out.data<float>(), tokens = static_cast<int64_t>(x.size()) / K,
                     rows = static_cast<int64_t>(out.size()) / columns_, N = int64_t{columns_}, glu = glu_,
@@ -202,7 +205,7 @@ void GatherQuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) 
 bool GatherQuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatherQuantizedMatmul&>(other);
   return bits_ == o.bits_ && group_size_ == o.group_size_ && columns_ == o.columns_ && glu_ == o.glu_ &&
-         activation_bits_ == o.activation_bits_;
+         activation_bits_ == o.activation_bits_ && bias_per_scale_ == o.bias_per_scale_;
 }
 
 }  // namespace metrale

@@ -23,17 +23,19 @@ namespace mx = mlx::core;
 // std::invalid_argument (Python ValueError) for shapes or dtypes that do not fit.
 mx::array gather_quantized_matmul(const mx::array& x, const mx::array& q, const mx::array& scales,
                                   const mx::array& biases, const mx::array& indices, int bits, int group_size,
-                                  int columns, int glu, int activation_bits);
+                                  int columns, int glu, int activation_bits, float bias_per_scale = 0.0f);
 
 class GatherQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  GatherQuantizedMatmul(mx::Stream stream, int bits, int group_size, int columns, int glu, int activation_bits)
+  GatherQuantizedMatmul(mx::Stream stream, int bits, int group_size, int columns, int glu, int activation_bits,
+                        float bias_per_scale)
       : mx::UnaryPrimitive(stream),
         bits_(bits),
         group_size_(group_size),
         columns_(columns),
         glu_(glu),
-        activation_bits_(activation_bits) {}
+        activation_bits_(activation_bits),
+        bias_per_scale_(bias_per_scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -42,6 +44,7 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 
  private:
   int bits_, group_size_, columns_, glu_, activation_bits_;
+  float bias_per_scale_;  // QmmWeights::bias_per_scale
 };
 
 }  // namespace metrale

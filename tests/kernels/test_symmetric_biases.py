@@ -86,3 +86,29 @@ def test_a_non_finite_factor_is_refused(factor):
     q, s, b = symmetric_packed(np.random.default_rng(1), 16, 64, 4, 32, mx.float16)
     with pytest.raises(ValueError, match="bias_per_scale"):
         ext.quantized_matmul(mx.ones((1, 64)), q, s, b, bits=4, group_size=32, columns=[16], bias_per_scale=factor)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_experts_computed_biases_equal_read_ones(isa, bits):
+    """The MoE matmul (kernels/moe.py) runs the same tiles per expert: the factor changes no bit there either."""
+    from kernels.moe import gather_quantized_matmul, pack_experts
+
+    rng = np.random.default_rng(bits)
+    experts, n, k, gs = 4, 48, 256, 32
+    w = mx.array(rng.standard_normal((experts, n, k)).astype(np.float32))
+    q, scales, _ = mx.quantize(w, group_size=gs, bits=bits)
+    scales = scales.astype(mx.float16)
+    q, s, b = pack_experts(q, scales, scales * -float(1 << (bits - 1)), bits, gs, mx.float16)
+    factor = qmm.symmetric_bias_per_scale(s, b, bits)
+    assert factor == -float(1 << (bits - 1))
+    for tokens in (1, 3, 9, 20):
+        x = mx.array(rng.standard_normal((tokens, k)).astype(np.float32))
+        indices = mx.array(rng.integers(0, experts, size=(tokens, 2)).astype(np.int32))
+
+        def both(x=x, indices=indices):
+            kw = dict(bits=bits, group_size=gs, columns=n, activation_bits=12)
+            return (gather_quantized_matmul(x, q, s, b, indices, **kw),
+                    gather_quantized_matmul(x, q, s, b, indices, bias_per_scale=factor, **kw))
+        read, computed = evaluated_on(isa, both)
+        assert mx.array_equal(read, computed).item(), (isa, tokens)
