@@ -158,8 +158,8 @@ BLAS_CROSSOVER = {"avx512": None, "avx2": None, "scalar": 2}
 def symmetric_bias_per_scale(scales: mx.array, biases: mx.array, bits: int) -> float:
     """-2^(bits - 1) where every bias is exactly that times its scale, in float32 as the kernels compute it (the
     symmetric formats, Q4_0 and Q8_0, as the loader writes them: w = d (q - 8) = d q - 8 d), else 0.0. Where
-    it is nonzero the few-token kernels compute the biases from the scales instead of reading them (2 of the
-    20 bytes per 32 4-bit weights a decode step streams); the biases are kept for every other path."""
+    it is nonzero the AVX2 / AVX-512 kernels compute the biases from the scales instead of reading them (2 of
+    the 20 bytes per 32 4-bit weights a decode step streams); the biases are kept for the other kernel sets."""
     factor = -float(1 << (bits - 1))
     same = mx.all(biases.astype(mx.float32) == scales.astype(mx.float32) * factor)
     return factor if bool(same.item()) else 0.0

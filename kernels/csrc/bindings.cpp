@@ -83,7 +83,7 @@ NB_MODULE(_kernels, m) {
         "one output act(x Wg^T) * (x Wu^T) from (gate, up) panel pairs. activation_bits: 8 (int8\n"
         "activations per 32 values, as llama.cpp), 12 (int12, as two int8 planes) or 16 (int16, as two int8\n"
         "halves). bias_per_scale: nonzero when every bias is exactly that times its scale (Q4_0: -8,\n"
-        "Q8_0: -128): the few-token tiles then compute the biases instead of reading them.");
+        "Q8_0: -128): the AVX2 / AVX-512 kernels then compute the biases instead of reading them.");
   m.def("quantized_rows", &metrale::quantized_rows, "q"_a, "scales"_a, "biases"_a, "ids"_a, nb::kw_only(),
         "bits"_a, "group_size"_a, "rows"_a,
         "Rows `ids` of a packed weight with `rows` rows, dequantized: (*ids.shape, K) float32.");

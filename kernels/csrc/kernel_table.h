@@ -86,8 +86,9 @@ struct QmmWeights {
   bool f16_scales;  // scales / biases are float16 bits (else float32)
   bool unpacked = false;  // bits 4 with one byte per weight (AVX2 run_panels' unpack_panel), else as above
   // nonzero: every bias is exactly bias_per_scale x its scale (symmetric formats: Q4_0 -8, Q8_0 -128), so the
-  // few-token tiles compute the biases instead of reading them (the stream a decode step waits on loses 2 of
-  // its 20 bytes per 32 weights); 0: read them. The biases stay valid either way (other paths read them).
+  // AVX2 / AVX-512 tiles and the VNNI GEMM compute the biases instead of reading them (the stream a decode step
+  // waits on loses 2 of its 20 bytes per 32 weights); 0: read them. The biases stay valid either way (the
+  // scalar, NEON and AMX tiles read them).
   float bias_per_scale = 0.0f;
 };
 
