@@ -9,7 +9,8 @@
 //   - each pass packs its tokens' activations (all of K) token-interleaved, block-major, so that a tile
 //     reads every broadcast from one pointer at constant offsets (16 row pointers spill);
 //   - the float accumulators live in an L1 buffer (load, fma, store: the load and store ports are idle),
-//     so the registers hold the integer sums.
+//     so the registers hold the integer sums; a group's bias term joins its last block's epilogue (one
+//     load and store per token and block, not two: 1B prompt chunk 8% faster on a Zen 4).
 // docs/quantized-kernels.md ("AVX-512 VNNI for many tokens") has the measurements. Included inside
 // namespace metrale::avx512::qmm by qmm_kernel.h (uses load16v, prefetch, combine, glu_row, panel_bytes).
 #pragma once
@@ -77,6 +78,7 @@ void gemm_tile(const QmmWeights& w, int64_t p, int g_begin, int g_end, PackedAct
   const float* xs = x.s;
   for (int g = g_begin; g < g_end; ++g, xs += TT) {
     const __m512 s = load16v<F16S>(w.scales, p * groups + g);
+    const __m512 m = bias16v<F16S>(w, p * groups + g);
     for (int bb = 0; bb < per_group; ++bb, xw += TT * words, xd += TT) {
       __m512i ih[TT], il[TT];
       for (int t = 0; t < TT; ++t) ih[t] = il[t] = _mm512_setzero_si512();
@@ -114,16 +116,16 @@ void gemm_tile(const QmmWeights& w, int64_t p, int g_begin, int g_end, PackedAct
       }
       // the accumulators stay in memory: keep the compiler from holding (and spilling) them in registers
       __asm__("" : "+r"(acc));
+      // the group's last block adds the group's bias term too (same order as tile(): the block, then the bias)
+      const bool last = bb == per_group - 1;
       for (int t = 0; t < TT; ++t) {
         const __m512i ia = WIDE && !ONE ? combine<ACT>(ih[t], il[t]) : ih[t];
         const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[t]));
-        _mm512_store_ps(acc[t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sd, _mm512_load_ps(acc[t])));
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sd, _mm512_load_ps(acc[t]));
+        if (last) v = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t]), v);
+        _mm512_store_ps(acc[t], v);
       }
     }
-    const __m512 m = bias16v<F16S>(w, p * groups + g);
-    __asm__("" : "+r"(acc));
-    for (int t = 0; t < TT; ++t)
-      _mm512_store_ps(acc[t], _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t]), _mm512_load_ps(acc[t])));
   }
 }
 
