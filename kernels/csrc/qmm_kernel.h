@@ -180,6 +180,14 @@ constexpr int kPrefetchGroups = 8;
 
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
+// Requests the scales and biases of panel p's group g + kPrefetchGroups (they stream beside the weights).
+template <bool F16S>
+inline void prefetch_group(const QmmWeights& w, int64_t p, int g, int groups) {
+  prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+  if (w.bias_per_scale == 0.0f)
+    prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+}
+
 #if defined(METRALE_QMM_AVX512)
 
 // The 16 scales (or biases) of panel p, group g, in one register. Not through load16's stack copy:
@@ -229,9 +237,7 @@ void tile(const QmmWeights& w, const QmmActs& a, int64_t p, int64_t t0, float ac
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   for (int g = 0; g < groups; ++g) {
-    prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-    if (w.bias_per_scale == 0.0f)
-      prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
+    prefetch_group<F16S>(w, p, g, groups);
     const __m512 s = load16v<F16S>(w.scales, p * groups + g), m = bias16v<F16S>(w, p * groups + g);
     for (int bb = 0; bb < per_group; ++bb) {
       const int blk = g * per_group + bb;
@@ -285,14 +291,6 @@ inline __m256 bias8v(const QmmWeights& w, int64_t index, int h) {
   if (w.bias_per_scale != 0.0f)
     return _mm256_mul_ps(load8v<F16S>(w.scales, index, h), _mm256_set1_ps(w.bias_per_scale));
   return load8v<F16S>(w.biases, index, h);
-}
-
-// Requests the scales and biases of panel p's group g + kPrefetchGroups (they stream beside the weights).
-template <bool F16S>
-inline void prefetch_group(const QmmWeights& w, int64_t p, int g, int groups) {
-  prefetch(static_cast<const char*>(w.scales) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
-  if (w.bias_per_scale == 0.0f)
-    prefetch(static_cast<const char*>(w.biases) + (p * groups + g + kPrefetchGroups) * R * (F16S ? 2 : 4));
 }
 
 // x[t][plane]: block blk's activation words (4 int8 each) of token t0 + t, the hi (or int8) plane then lo.
