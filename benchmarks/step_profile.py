@@ -32,10 +32,12 @@ and `--chunk` new tokens each (1: a decode step; more: a prompt chunk, sampled a
                  rms_norm and residual_add are timed apart, while the step fuses each add into the
                  next norm (AddRmsNormCPU): on a prompt chunk they count twice and this goes negative
   weight_gbs_*   the packed weight bytes (weight_mib) over step_ms and over matmul_ms: the decode's read rate
-With --read-roof, after the timings: the machine's read bandwidth (benchmarks/roofline_probe.c, same thread
-count, --read-roof-mib of buffer (1 GiB), the wall rate on 4 KiB and on huge pages: read_gbs, read_huge_gbs) and weight_read_share_step /
-_matmul, weight_gbs_* over the higher of the two: the issue's "decode reads the weights at >= 85% of the
-measured read bandwidth".
+With --read-roof, after the timings: --read-roof-rounds rounds of the machine's read bandwidth
+(benchmarks/roofline_probe.c, same thread count, --read-roof-mib of buffer (1 GiB), the wall rate on 4 KiB and on
+huge pages), each followed by the step and the matmuls again (best of --repeat), so that each share compares
+minutes of the same bandwidth (a shared VM's moves 2x between minutes); per round, weight_gbs_* over the higher
+of the probe's two rates: read_roof_rounds, and their medians read_gbs, read_huge_gbs, weight_read_share_step /
+_matmul: the issue's "decode reads the weights at >= 85% of the measured read bandwidth".
   --pages mlx    the packed weights left on MLX's 4 KiB pages (default: huge pages, as the loader does)
   --ab           instead: step_ms with this branch's decode fusions on / off, alternated (best, median)
 """
@@ -46,6 +48,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import tempfile
 import time
 
@@ -192,9 +195,11 @@ def op_costs(runner: ModelRunner, batch: int, context: int, chunk: int, repeats:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of the packed weights one step's matmuls stream (q + scales + biases, the lm_head included)."""
+    """Bytes of the packed weights one step's matmuls stream, the lm_head included: q + scales, + biases
+    unless the kernels compute them from the scales (symmetric Q4_0 / Q8_0: bias_per_scale)."""
     return sum(a.nbytes for _, m in runner.model.named_modules()
-               if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU)) for a in (m.q, m.scales, m.biases))
+               if isinstance(m, (QuantizedLinearCPU, QuantizedEmbeddingCPU))
+               for a in (m.q, m.scales, *([] if m.bias_per_scale else [m.biases])))
 
 
 def is_head(name: str) -> bool:
@@ -285,11 +290,15 @@ def main() -> None:
     parser.add_argument("--read-roof", action="store_true",
                         help="also measure the read bandwidth (roofline_probe.c) and the weights' share of it")
     parser.add_argument("--read-roof-mib", type=int, default=1024, help="the read probe's buffer (larger than the caches)")
+    parser.add_argument("--read-roof-rounds", type=int, default=3,
+                        help="rounds of (read probe, step, matmuls) for the shares (medians of the rounds)")
     parser.add_argument("--ab", action="store_true",
                         help="only step_ms with the decode fusions on and off, alternated (set_decode_fusions)")
     args = parser.parse_args()
     if args.ab and args.chunk != 1:
         parser.error("--ab times decode steps: --chunk must be 1")
+    if args.read_roof_rounds < 1:
+        parser.error("--read-roof-rounds must be >= 1")
     if args.pages == "mlx":  # the loader's weights are packed by kernels.qmm.pack_layers
         qmm.PLACE_ON_HUGE_PAGES = False
     model = {"model": args.model} if args.model else {}
@@ -322,22 +331,32 @@ def main() -> None:
               "weight_gbs_step": round(weight_bytes(runner) / full * 1e-9, 2),
               "weight_gbs_matmul": round(weight_bytes(runner) / bound * 1e-9, 2)}
     if args.read_roof:
-        result.update(read_roof(weight_bytes(runner) / full * 1e-9, weight_bytes(runner) / bound * 1e-9,
-                                args.read_roof_mib))
+        result.update(read_roof(runner, step, args))
     print(json.dumps(result, indent=2))
 
 
-def read_roof(step_gbs: float, matmul_gbs: float, mib: int) -> dict:
-    """The read probe's GB/s (4 KiB and huge pages, wall) and the weights' read rate as a share of the higher."""
+def read_roof(runner: ModelRunner, step: StepInput, args: argparse.Namespace) -> dict:
+    """args.read_roof_rounds rounds of the read probe's GB/s (4 KiB and huge pages, wall), each followed by the
+    step's and the matmuls' read rates; per round the rates as shares of the probe's higher one, and the medians."""
     from benchmarks.qmm_roofline import roofs  # noqa: PLC0415  (compiles the probe: only with --read-roof)
 
-    roof = roofs(ext.cpu_isa() or "", ext.load().num_threads(), mib)  # as many threads as the kernels use
-    if not roof:
-        return {"read_roof": "no C compiler or no probe for this instruction set"}
-    best = max(roof["read_gbs_wall"], roof["read_huge_gbs_wall"])
-    return {"read_gbs": roof["read_gbs_wall"], "read_huge_gbs": roof["read_huge_gbs_wall"],
-            "huge_pages_advised": roof["huge_pages_advised"],
-            "weight_read_share_step": round(step_gbs / best, 3), "weight_read_share_matmul": round(matmul_gbs / best, 3)}
+    nbytes, rounds = weight_bytes(runner), []
+    for _ in range(args.read_roof_rounds):
+        roof = roofs(ext.cpu_isa() or "", ext.load().num_threads(), args.read_roof_mib)  # the kernels' thread count
+        if not roof:
+            return {"read_roof": "no C compiler or no probe for this instruction set"}
+        step_s = best_of(lambda: runner.execute(step), args.repeat)
+        matmul_s, _ = matmul_bound(runner, args.batch * args.chunk, args.batch, args.repeat)
+        best = max(roof["read_gbs_wall"], roof["read_huge_gbs_wall"])
+        rounds.append({"read_gbs": roof["read_gbs_wall"], "read_huge_gbs": roof["read_huge_gbs_wall"],
+                       "weight_gbs_step": round(nbytes / step_s * 1e-9, 2),
+                       "weight_gbs_matmul": round(nbytes / matmul_s * 1e-9, 2),
+                       "share_step": round(nbytes / step_s * 1e-9 / best, 3),
+                       "share_matmul": round(nbytes / matmul_s * 1e-9 / best, 3)})
+    median = {key: round(statistics.median(r[key] for r in rounds), 3) for key in rounds[0]}
+    return {"read_gbs": median["read_gbs"], "read_huge_gbs": median["read_huge_gbs"],
+            "huge_pages_advised": roof["huge_pages_advised"], "read_roof_rounds": rounds,
+            "weight_read_share_step": median["share_step"], "weight_read_share_matmul": median["share_matmul"]}
 
 
 if __name__ == "__main__":
