@@ -59,7 +59,8 @@ class Scheduler:
     a step that decodes cuts its prompt chunks to fit its time limit (`max_step_factor` x its decodes'
     own time and/or `max_step_ms`), as `cost_model` estimates it (learned from `observe_step` unless
     injected): a long prompt does not stall the streams. `last_step_estimate` / `last_step_limit` (seconds
-    or None) are the last planned step's estimate and limit, to compare with its measured time.
+    or None) are the last planned step's estimate (steps with a prompt chunk beside decodes only:
+    StepTimeBudget.planned_s) and limit, to compare with its measured time.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,

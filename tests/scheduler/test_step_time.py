@@ -210,3 +210,25 @@ def test_when_no_chunk_fits_the_limit_the_prompt_moves_by_the_knee_not_a_token()
     # ...and each takes ~a chunk's fixed cost in tokens (one more token costs ~1 ms + its attention)
     assert all(n >= 10 for n, _, _ in over)
     assert sum(n for n, _, _ in steps) == 2000 and len(steps) < 120  # 1-token chunks: ~1,000 steps
+
+
+def test_steps_of_decodes_alone_do_not_refit_the_learned_model(monkeypatch):
+    """The engine observes every step; only a step that sizes a prompt chunk needs the fit. Refitting for
+    each decode step (to log its estimate) cost 0.4-0.8 ms of the engine's thread per token."""
+    from scheduler import step_cost
+
+    sched = make(None, num_blocks=1024, max_step_factor=8.0, min_prefill_chunk=1)
+    run_long_prompt(sched, per_context=5e-6, prompt=300)  # learned: chunk steps beside decodes
+    for i in range(2):
+        sched.add(make_request(f"d{i}", 3, max_tokens=400, ignore_eos=True, arrival_time=20.0 + i))
+    fits = []
+    monkeypatch.setattr(step_cost, "_nonnegative_fit", lambda rows: fits.append(len(rows)) or (0.01, 1e-3, 0, 0))
+    steps = []
+    for n in range(40):
+        out = sched.schedule()
+        steps.append((StepWork.of_output(out).has_chunk, sched.last_step_estimate, sched.last_step_limit))
+        sched.observe_step(out, true_step_seconds(out, 5e-6))
+        sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
+    decode_only = [s for s in steps[2:] if not s[0]]  # after the two prompts' first chunks
+    assert len(decode_only) == 38 and all(estimate is None and limit > 0 for _, estimate, limit in decode_only)
+    assert len(fits) <= 2  # the prompts' chunks, not one per step
