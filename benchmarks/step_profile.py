@@ -11,8 +11,9 @@ and `--chunk` new tokens each (1: a decode step; more: a prompt chunk, sampled a
 --repeat:
   step_ms        the full runner step (ModelRunner.execute)
   host_ms        the runner's host work before the model: step metadata and the token array
-  graph_ms       building the step's lazy graph: the model's Python forward and compute_logits
-  eval_ms        mx.eval of the logits and the K/V writes (MLX dispatch + every kernel)
+  graph_ms       building the step's lazy graph: the model's Python forward and compute_logits (a decode
+                 step hands each layer to MLX as it is built, llama.OVERLAP_LAYERS: its kernels start here)
+  eval_ms        mx.eval of the logits and the K/V writes (MLX dispatch + every kernel not yet run)
   sample_ms      sampler.prepare + sampler.sample (greedy: argmax and one .tolist())
   matmul_ms      the model's weight matmuls alone for the same rows (the kernels' modules, or the
                  float32 weights; the lm_head on the sampled rows only), as one evaluation: the
@@ -65,6 +66,7 @@ from kernels.qmm import QuantizedEmbeddingCPU, QuantizedLinearCPU  # noqa: E402
 from kvcache.attention import AttentionMetadata, paged_attention  # noqa: E402
 from metrale.config import EngineConfig  # noqa: E402
 from metrale.engine.runner import ModelRunner, SamplingRow, StepInput  # noqa: E402
+from metrale.models import llama  # noqa: E402
 from metrale.sampling.sampler import Sampler  # noqa: E402
 from metrale.sampling_params import SamplingParams  # noqa: E402
 from scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
@@ -140,7 +142,12 @@ def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, floa
 
 
 def graph_nodes(runner: ModelRunner, step: StepInput) -> tuple[int, dict[str, int]]:
-    logits = step_logits(runner, step, *step_inputs(runner, step))
+    """The step's whole lazy graph: built without handing each layer to MLX as it goes (llama.OVERLAP_LAYERS)."""
+    llama.OVERLAP_LAYERS = False
+    try:
+        logits = step_logits(runner, step, *step_inputs(runner, step))
+    finally:
+        llama.OVERLAP_LAYERS = True
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "step.dot")
         mx.export_to_dot(path, logits, *runner._pools())

@@ -171,9 +171,15 @@ class LlamaDecoderLayer(nn.Module):
 # whole, MLX allocated the outputs of several layers ahead of freeing the ones behind: a 512-token chunk of the
 # 1B shape peaked at 278 MiB of activations, 63 layer by layer (MLX's peak memory, benchmarks/step_profile.py's
 # step; the 3B shape's server peaked ~0.4 GiB above idle on a 4096-token prompt). The ~16-28 extra
-# synchronizations cost microseconds against a step of 0.5 s and more; decode steps (fewer tokens) keep one
-# asynchronous evaluation, which overlaps the host's work.
+# synchronizations cost microseconds against a step of 0.5 s and more.
 EVAL_EACH_LAYER_FROM_TOKENS = 64
+# Smaller steps (decodes) hand each layer to MLX asynchronously as soon as it is built (mx.async_eval), so the
+# kernels compute layer i while Python builds layer i + 1: building a step's graph takes ~1 ms of the 1B shape's
+# ~24 ms step and ~2.2 of the default model's ~8.7 (30 layers, 434 nodes), which ran before any kernel did.
+# Decode steps alternated in one process (2-core Zen 4): the default model 1.2-2.1 ms faster a step at 1, 8 and
+# 32 sequences (15-20% at one), the 1B shape 0.1-1.0 ms. False (benchmarks that read the whole lazy graph,
+# step_profile's node count): one evaluation of the whole step, as before.
+OVERLAP_LAYERS = True
 
 
 class LlamaModel(nn.Module):
@@ -198,11 +204,11 @@ class LlamaModel(nn.Module):
     ) -> mx.array:
         """token_ids (T,), positions (T,) -> normed hidden states (T, D)."""
         x, residual = self.embed(token_ids), None  # the hidden states are residual + x, (T, D) each
-        layer_by_layer = token_ids.size >= EVAL_EACH_LAYER_FROM_TOKENS
+        evaluate = mx.eval if token_ids.size >= EVAL_EACH_LAYER_FROM_TOKENS else mx.async_eval if OVERLAP_LAYERS else None
         for layer in self.layers:
             x, residual = layer.residual_forward(x, residual, positions, kv_cache, metadata)
-            if layer_by_layer:  # (the layer's K/V writes are inputs of x: they run too)
-                mx.eval(*(a for a in (x, residual) if a is not None))
+            if evaluate is not None:  # (the layer's K/V writes are inputs of x: they run too)
+                evaluate(*(a for a in (x, residual) if a is not None))
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[1]  # (T, D)
 
 
