@@ -205,6 +205,7 @@ def test_a_wide_step_evaluated_layer_by_layer_is_the_same_and_holds_fewer_activa
         mx.eval(model.parameters())
     tokens = [random.Random(3).randrange(config_dict["vocab_size"]) for _ in range(256)]
     results = {}
+    monkeypatch.setattr(llama_module, "OVERLAP_LAYERS", False)  # below the threshold: one lazy evaluation
     for threshold in (10**9, 64):
         monkeypatch.setattr(llama_module, "EVAL_EACH_LAYER_FROM_TOKENS", threshold)
         harness = PagedHarness(model.config, num_blocks=80)
@@ -218,3 +219,30 @@ def test_a_wide_step_evaluated_layer_by_layer_is_the_same_and_holds_fewer_activa
     (whole, whole_peak), (by_layer, by_layer_peak) = results[10**9], results[64]
     assert mx.array_equal(whole, by_layer).item()
     assert by_layer_peak < whole_peak, (by_layer_peak, whole_peak)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_a_decode_step_handed_to_mlx_layer_by_layer_is_the_same(architecture, monkeypatch):
+    """Below EVAL_EACH_LAYER_FROM_TOKENS each layer goes to mx.async_eval as it is built (OVERLAP_LAYERS): the
+    same hidden states and K/V pools, bit for bit, as one lazy evaluation of the whole step."""
+    import metrale.models.llama as llama_module
+
+    config_dict = tiny_config_dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
+    _, model = make_twins(config_dict)
+    if architecture == "gemma3":  # its layers return no separate residual
+        model = get_model_class("gemma3")(dataclasses.replace(model.config, architecture="gemma3"))
+        mx.eval(model.parameters())
+    rng = random.Random(5)
+    sequences = [(f"s{i}", [rng.randrange(config_dict["vocab_size"]) for _ in range(n)]) for i, n in enumerate((9, 4, 1))]
+    results = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(llama_module, "OVERLAP_LAYERS", overlap)
+        harness = PagedHarness(model.config, num_blocks=16)
+        token_ids, metadata = harness.build(sequences)
+        hidden = model(token_ids, metadata.positions, harness.cache, metadata)
+        pools = [a for layer in range(model.config.num_hidden_layers) for a in harness.cache.layer(layer)]
+        mx.eval(hidden, pools)
+        results[overlap] = (hidden, pools)
+    (whole, whole_pools), (overlapped, overlapped_pools) = results[False], results[True]
+    assert mx.array_equal(whole, overlapped).item()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(whole_pools, overlapped_pools))
