@@ -143,11 +143,11 @@ def phases(runner: ModelRunner, step: StepInput, repeats: int) -> dict[str, floa
 
 def graph_nodes(runner: ModelRunner, step: StepInput) -> tuple[int, dict[str, int]]:
     """The step's whole lazy graph: built without handing each layer to MLX as it goes (llama.OVERLAP_LAYERS)."""
-    llama.OVERLAP_LAYERS = False
+    overlap, llama.OVERLAP_LAYERS = llama.OVERLAP_LAYERS, False
     try:
         logits = step_logits(runner, step, *step_inputs(runner, step))
     finally:
-        llama.OVERLAP_LAYERS = True
+        llama.OVERLAP_LAYERS = overlap
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "step.dot")
         mx.export_to_dot(path, logits, *runner._pools())

@@ -204,7 +204,12 @@ class LlamaModel(nn.Module):
     ) -> mx.array:
         """token_ids (T,), positions (T,) -> normed hidden states (T, D)."""
         x, residual = self.embed(token_ids), None  # the hidden states are residual + x, (T, D) each
-        evaluate = mx.eval if token_ids.size >= EVAL_EACH_LAYER_FROM_TOKENS else mx.async_eval if OVERLAP_LAYERS else None
+        if token_ids.size >= EVAL_EACH_LAYER_FROM_TOKENS:
+            evaluate = mx.eval  # bounds a wide step's activations
+        elif OVERLAP_LAYERS:
+            evaluate = mx.async_eval  # the kernels run this layer while Python builds the next
+        else:
+            evaluate = None  # one evaluation of the whole step, by the caller
         for layer in self.layers:
             x, residual = layer.residual_forward(x, residual, positions, kv_cache, metadata)
             if evaluate is not None:  # (the layer's K/V writes are inputs of x: they run too)

@@ -224,7 +224,7 @@ def test_steps_of_decodes_alone_do_not_refit_the_learned_model(monkeypatch):
     fits = []
     monkeypatch.setattr(step_cost, "_nonnegative_fit", lambda rows: fits.append(len(rows)) or (0.01, 1e-3, 0, 0))
     steps = []
-    for n in range(40):
+    for _ in range(40):
         out = sched.schedule()
         steps.append((StepWork.of_output(out).has_chunk, sched.last_step_estimate, sched.last_step_limit))
         sched.observe_step(out, true_step_seconds(out, 5e-6))
